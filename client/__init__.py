@@ -1,0 +1,1 @@
+"""prefixd clients and command line."""

@@ -1,0 +1,1 @@
+"""prefixd daemon."""

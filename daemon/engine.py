@@ -1,0 +1,239 @@
+"""The engine thread: the only thread that touches MLX, the models and the prefix store.
+
+Since mlx 0.31.2 MLX streams belong to the thread that created them, so the
+models are loaded here and every MLX call happens here. The asyncio front
+talks to the engine only through the inbox (jobs and control calls in) and
+the jobs' emit callbacks (events out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import structlog
+
+from ..protocol.errors import ErrorCode, RpcError
+from .generation import GenerationRun
+from .inbox import Inbox
+from .jobs import DONE, FAILED, GenerateJob
+from .loaded_model import LoadedModel, load_model
+
+T = TypeVar("T")
+log = structlog.get_logger("prefixd.engine")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model_specs: tuple[str, ...]
+    dtype: str = "auto"
+    prefill_chunk: int = 512
+    cache_bytes: int = 4 << 30
+    cache_nodes: int = 65536
+    pinned_bytes: int = 1 << 30
+    max_queued: int = 256
+    max_queued_per_client: int = 64
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.inbox = Inbox(settings.max_queued, settings.max_queued_per_client)
+        self.models: dict[str, LoadedModel] = {}
+        self.model_names: tuple[str, ...] = ()  # read by the front: plain strings only
+        self.default_model: str | None = None
+        self.store: Any = None
+        self.active_job: GenerateJob | None = None
+        self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
+
+    # -- lifecycle (front side) ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait for the models to load; raise what went wrong if they did not."""
+        ready = await asyncio.to_thread(self._ready.wait, timeout)
+        if not ready:
+            raise TimeoutError(f"models did not load within {timeout:.0f} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        self.inbox.put_control(lambda: None)  # wake the thread
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- requests (front side) ----------------------------------------------------
+
+    def submit(self, job: GenerateJob) -> None:
+        self.inbox.put_job(job)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread (between decode steps) and await its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        def run() -> None:
+            try:
+                value, ok = fn(), True
+            except BaseException as exc:  # handed to the caller, not raised here
+                value, ok = exc, False
+            loop.call_soon_threadsafe(settle, ok, value)
+
+        self.inbox.put_control(run)
+        return await future
+
+    # -- engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._load_all()
+        except BaseException as exc:
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        while not self._stopping.is_set():
+            item = self.inbox.take(timeout=0.25)
+            if item is None:
+                continue
+            if isinstance(item, GenerateJob):
+                self._run_job(item)
+            else:
+                item()
+
+    def _load_all(self) -> None:
+        from .prefix_store import PrefixStore
+
+        for spec in self.settings.model_specs:
+            loaded = load_model(spec, dtype=self.settings.dtype)
+            if loaded.name in self.models:
+                loaded.name = f"{loaded.name}-{len(self.models)}"
+            self.models[loaded.name] = loaded
+            log.info(
+                "model_loaded",
+                model=loaded.name,
+                path=str(loaded.path),
+                load_s=round(loaded.load_seconds, 3),
+                weight_bytes=loaded.weight_bytes,
+                dtype=loaded.dtype,
+                hybrid=loaded.layout.is_hybrid,
+                cache_layers=loaded.layout.describe(),
+                fingerprint=loaded.fingerprint,
+            )
+            if not loaded.layout.is_supported:
+                log.warning("prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache")
+        self.model_names = tuple(self.models)
+        self.default_model = self.model_names[0] if self.model_names else None
+        self.store = PrefixStore(
+            max_bytes=self.settings.cache_bytes,
+            max_nodes=self.settings.cache_nodes,
+            max_pinned_bytes=self.settings.pinned_bytes,
+            recompute_seconds=self._recompute_seconds,
+        )
+
+    def _recompute_seconds(self, start_depth: int, num_tokens: int) -> float:
+        rates = [m.prefill_tokens_per_s for m in self.models.values() if m.prefill_tokens_per_s]
+        rate = min(rates) if rates else 200.0
+        # Attention makes later tokens dearer to recompute than early ones.
+        return num_tokens / rate * (1.0 + (start_depth + num_tokens / 2) / 4096)
+
+    def poll_controls(self) -> None:
+        """Answer control calls (stats, tokenize, pin ...) between decode steps."""
+        while (call := self.inbox.take_control()) is not None:
+            call()
+
+    def model_for(self, name: str | None) -> LoadedModel:
+        name = name or self.default_model
+        loaded = self.models.get(name) if name else None
+        if loaded is None:
+            raise RpcError(ErrorCode.MODEL_NOT_FOUND, f"no model named {name!r} is loaded; loaded: {', '.join(self.models)}")
+        return loaded
+
+    def _run_job(self, job: GenerateJob) -> None:
+        if job.cancelled.is_set():
+            self.counters["cancelled"] += 1
+            job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
+            return
+        self.active_job = job
+        try:
+            loaded = self.model_for(job.params.model)
+            run = GenerationRun(job, loaded, self.store, self.settings.prefill_chunk, self.poll_controls)
+            result = run.run()
+        except RpcError as err:
+            self.counters["failed"] += 1
+            job.emit(FAILED, err)
+        except Exception as exc:  # one bad request must not take the daemon down
+            self.counters["failed"] += 1
+            log.exception("request_failed", request_id=job.request_id)
+            job.emit(FAILED, RpcError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+        else:
+            self.counters["cancelled" if result["finish_reason"] == "cancelled" else "completed"] += 1
+            job.emit(DONE, result)
+        finally:
+            self.active_job = None
+
+    # -- control calls (run on the engine thread through call()) -----------------------
+
+    def tokenize(self, prompt: Any, model: str | None) -> dict[str, Any]:
+        loaded = self.model_for(model)
+        encoded = loaded.encode(prompt)
+        return {"tokens": encoded.tokens, "num_tokens": len(encoded.tokens), "model": loaded.name, "text": encoded.text}
+
+    def pin(self, prompt: Any, model: str | None, pinned: bool) -> dict[str, Any]:
+        from .prefix_store import NotStored, PinBudgetExceeded
+
+        loaded = self.model_for(model)
+        tokens = loaded.encode(prompt).tokens
+        # The store keeps a prompt's first len-1 tokens (the last one always runs).
+        tokens = tokens[:-1] if len(tokens) > 1 else tokens
+        try:
+            if pinned:
+                result = self.store.pin(loaded.fingerprint, tokens)
+            else:
+                result = self.store.unpin(loaded.fingerprint, tokens)
+        except NotStored as exc:
+            raise RpcError(ErrorCode.NOT_CACHED, f"{exc}; send it with cache.warm first") from None
+        except PinBudgetExceeded as exc:
+            raise RpcError(ErrorCode.PIN_BUDGET_EXCEEDED, str(exc)) from None
+        return {"pinned_tokens": result.pinned_tokens, "pinned_bytes": result.pinned_bytes}
+
+    def stats(self) -> dict[str, Any]:
+        store_stats = self.store.stats() if self.store is not None else None
+        return {
+            "requests": {**self.counters, "active": 1 if self.active_job else 0, **self.inbox.counts()},
+            "cache": _plain(store_stats),
+            "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1)} for name, m in self.models.items()},
+        }
+
+    def describe_models(self) -> list[dict[str, Any]]:
+        return [m.describe(default=(name == self.default_model)) for name, m in self.models.items()]
+
+
+def _plain(value: Any) -> Any:
+    """NamedTuples and dataclasses as plain maps, for msgpack."""
+    if hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _plain(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,231 @@
+"""A model the engine has loaded: weights, tokenizer, identity, prompt encoding.
+
+Engine thread only (loading and the model itself make MLX calls; the
+tokenizer is used there too so that one thread owns every model object).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.utils import load as mlx_lm_load
+
+from ..protocol.errors import ErrorCode, RpcError
+from ..protocol.methods import PromptInput
+from .kv_payloads import CacheLayout, make_cache_layout
+
+_FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class MessageSpan:
+    """Where message ``index`` ends in the prompt's tokens (exclusive)."""
+
+    index: int
+    role: str
+    end_token: int
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    tokens: list[int]
+    text: str | None = None
+    message_spans: tuple[MessageSpan, ...] = ()
+
+    def message_at(self, token_index: int) -> MessageSpan | None:
+        """The message whose tokens include ``token_index`` (chat prompts only)."""
+        ends = [span.end_token for span in self.message_spans]
+        position = bisect.bisect_right(ends, token_index)
+        if position < len(self.message_spans):
+            return self.message_spans[position]
+        return None
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    layout: CacheLayout
+    fingerprint: str
+    context_length: int
+    dtype: str
+    load_seconds: float
+    weight_bytes: int
+    prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def describe(self, default: bool) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "default": default,
+            "context_length": self.context_length,
+            "fingerprint": self.fingerprint,
+            "hybrid": self.layout.is_hybrid,
+            "dtype": self.dtype,
+            "cache_layers": self.layout.describe(),
+        }
+
+    def encode(self, prompt: PromptInput) -> EncodedPrompt:
+        """Token ids for a prompt given as text, chat messages or ids."""
+        if prompt.tokens is not None:
+            vocab_size = len(self.tokenizer)
+            bad = next((t for t in prompt.tokens if t >= vocab_size), None)
+            if bad is not None:
+                raise RpcError(ErrorCode.INVALID_PARAMS, f"token id {bad} is outside the vocabulary (size {vocab_size})")
+            return EncodedPrompt(list(prompt.tokens))
+        if prompt.text is not None:
+            return EncodedPrompt(self.tokenizer.encode(prompt.text), prompt.text)
+        return self._encode_messages(list(prompt.messages), prompt.add_generation_prompt)
+
+    def render_messages(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not self.tokenizer.has_chat_template:
+            raise RpcError(ErrorCode.INVALID_PARAMS, f"model {self.name} has no chat template; send 'prompt' text instead")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # a template may reject e.g. an unknown role
+            raise RpcError(ErrorCode.INVALID_PARAMS, f"the chat template rejected the messages: {exc}") from None
+
+    def _encode_messages(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> EncodedPrompt:
+        text = self.render_messages(messages, add_generation_prompt)
+        token_ids, token_ends = self._encode_with_offsets(text)
+        spans = []
+        for index in range(len(messages)):
+            # A message boundary is where the rendering of messages[:index+1]
+            # stops agreeing with the full rendering: templates that rewrite
+            # earlier text (or add a default system prompt) are handled too.
+            partial = self.render_messages(messages[: index + 1], add_generation_prompt=False)
+            agree = _common_prefix_length(partial, text)
+            end_token = bisect.bisect_right(token_ends, agree)
+            spans.append(MessageSpan(index, messages[index]["role"], end_token))
+        return EncodedPrompt(token_ids, text, tuple(spans))
+
+    def _encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        backend = getattr(self.tokenizer._tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow tokenizer: no offsets, so no message boundaries
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return ids, [0] * len(ids)
+        encoding = backend.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [end for _, end in encoding.offsets]
+
+    def check_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise RpcError(ErrorCode.INVALID_PARAMS, "the prompt is empty")
+        if num_prompt_tokens >= self.context_length:
+            raise RpcError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {num_prompt_tokens} tokens; model {self.name} has a context of {self.context_length}",
+                {"prompt_tokens": num_prompt_tokens, "context_length": self.context_length},
+            )
+
+    def note_prefill_rate(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 16 or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    low, high = 0, limit  # binary search for the first difference
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load a local MLX model directory, or a Hugging Face id already in the local cache."""
+    path = resolve_model_path(spec)
+    started = time.perf_counter()
+    model, tokenizer = mlx_lm_load(str(path))
+    if dtype != "auto":
+        model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    load_seconds = time.perf_counter() - started
+    config = json.loads((path / "config.json").read_text())
+    weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
+    first_param = next(v for _, v in _flatten(model.parameters()))
+    return LoadedModel(
+        name=name or path.name,
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        layout=make_cache_layout(model),
+        fingerprint=model_fingerprint(path, tokenizer, str(first_param.dtype)),
+        context_length=_context_length(config),
+        dtype=str(first_param.dtype).replace("mlx.core.", ""),
+        load_seconds=load_seconds,
+        weight_bytes=weight_bytes,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+    )
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A directory as given, or the local Hugging Face snapshot of a repo id (never downloaded)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not an MLX model directory")
+        return path.resolve()
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(spec, local_files_only=True))
+        except Exception:
+            raise FileNotFoundError(
+                f"model {spec!r} is not a local directory and not in the local Hugging Face cache; "
+                "prefixd never downloads at run time (see `prefixd setup` / `prefixd import-gguf`)"
+            ) from None
+    raise FileNotFoundError(f"model directory {spec!r} does not exist")
+
+
+def model_fingerprint(path: Path, tokenizer: Any, dtype: str) -> str:
+    """Identity of everything that shapes a KV cache: weights, tokenizer, template, versions."""
+    digest = hashlib.sha256()
+    for file in sorted(path.iterdir()):
+        if file.suffix not in {".json", ".safetensors", ".jinja", ".model", ".txt"} or not file.is_file():
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(_FINGERPRINT_SAMPLE_BYTES))
+            if size > 2 * _FINGERPRINT_SAMPLE_BYTES:
+                handle.seek(size - _FINGERPRINT_SAMPLE_BYTES)
+                digest.update(handle.read())
+    digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    digest.update(f"{dtype}|mlx={mx.__version__}|mlx_lm={mlx_lm.__version__}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _context_length(config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return int(os.environ.get("PREFIXD_DEFAULT_CONTEXT", "4096"))
+
+
+def _flatten(params: Any):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)

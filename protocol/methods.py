@@ -1,0 +1,193 @@
+"""Method names, protocol constants and parameter validation.
+
+Every prefixd method takes one map as the only element of ``params``. The
+validators here turn that map into typed parameters or raise INVALID_PARAMS
+with a message naming the offending field, so every client gets the same
+answer for the same mistake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ErrorCode, RpcError
+
+PROTOCOL_VERSION = 1
+
+HELLO = "hello"
+PING = "ping"
+GENERATE = "generate"
+TOKENIZE = "tokenize"
+MODELS = "models"
+STATS = "stats"
+CANCEL = "cancel"
+CACHE_WARM = "cache.warm"
+CACHE_PIN = "cache.pin"
+CACHE_UNPIN = "cache.unpin"
+GENERATE_CHUNK = "generate.chunk"  # server -> client notification while streaming
+
+METHODS = (HELLO, PING, GENERATE, TOKENIZE, MODELS, STATS, CANCEL, CACHE_WARM, CACHE_PIN, CACHE_UNPIN)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+
+MAX_STOP_STRINGS = 16
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+def _invalid(message: str) -> RpcError:
+    return RpcError(ErrorCode.INVALID_PARAMS, message)
+
+
+def single_map_param(params: list[Any]) -> dict[str, Any]:
+    """The one map a prefixd method takes; an empty params array means {}."""
+    if not params:
+        return {}
+    if len(params) != 1 or not isinstance(params[0], dict):
+        raise _invalid("params must be an array holding one map, e.g. [{\"prompt\": \"...\"}]")
+    return params[0]
+
+
+def _check_keys(params: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(str(key) for key in params if key not in allowed)
+    if unknown:
+        raise _invalid(f"unknown parameter(s): {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _get(params: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise _invalid(f"'{key}' must be {what}, got a boolean")
+    if not isinstance(value, kinds):
+        raise _invalid(f"'{key}' must be {what}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """Per-request cache switches: ``cache: {use, store}``."""
+
+    use: bool = True
+    store: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """Exactly one of text, messages or tokens."""
+
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    prompt: PromptInput
+    model: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    session: str | None = None
+    cache: CacheOptions = field(default_factory=CacheOptions)
+
+
+_PROMPT_KEYS = {"prompt", "messages", "tokens", "add_generation_prompt", "model", "session", "cache"}
+_GENERATE_KEYS = _PROMPT_KEYS | {"max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+
+
+def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
+    """Validate the prompt part shared by generate, tokenize and cache.*."""
+    given = [key for key in ("prompt", "messages", "tokens") if params.get(key) is not None]
+    if len(given) != 1:
+        raise _invalid("give exactly one of 'prompt' (text), 'messages' (chat) or 'tokens' (ids)")
+    add_gen = _get(params, "add_generation_prompt", (bool,), True, "a boolean")
+    if given[0] == "prompt":
+        return PromptInput(text=_get(params, "prompt", (str,), None, "a string"))
+    if given[0] == "tokens":
+        tokens = params["tokens"]
+        if not isinstance(tokens, (list, tuple)) or not tokens:
+            raise _invalid("'tokens' must be a non-empty array of integers")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise _invalid("'tokens' must hold non-negative integers only")
+        return PromptInput(tokens=tuple(tokens))
+    return PromptInput(messages=_parse_messages(params["messages"]), add_generation_prompt=add_gen)
+
+
+def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise _invalid("'messages' must be a non-empty array of {role, content} maps")
+    parsed = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _invalid(f"messages[{index}] must be a map with 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise _invalid(f"messages[{index}] needs string 'role' and 'content'")
+        parsed.append({"role": role, "content": content})
+    return tuple(parsed)
+
+
+def parse_cache_options(params: dict[str, Any]) -> CacheOptions:
+    raw = _get(params, "cache", (dict,), {}, "a map {use: bool, store: bool}")
+    _check_keys(raw, {"use", "store"})
+    return CacheOptions(
+        use=_get(raw, "use", (bool,), True, "a boolean"),
+        store=_get(raw, "store", (bool,), True, "a boolean"),
+    )
+
+
+def parse_generate(params: dict[str, Any]) -> GenerateParams:
+    """Validate ``generate`` parameters."""
+    _check_keys(params, _GENERATE_KEYS)
+    max_tokens = _get(params, "max_tokens", (int,), 256, "an integer")
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise _invalid(f"'max_tokens' must be between 1 and {MAX_TOKENS_LIMIT}")
+    temperature = float(_get(params, "temperature", (int, float), 0.0, "a number"))
+    if not 0.0 <= temperature <= 100.0:
+        raise _invalid("'temperature' must be between 0 and 100 (0 means greedy)")
+    top_p = float(_get(params, "top_p", (int, float), 1.0, "a number"))
+    if not 0.0 < top_p <= 1.0:
+        raise _invalid("'top_p' must be in (0, 1]")
+    seed = _get(params, "seed", (int,), None, "an integer")
+    stop = params.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise _invalid("'stop' must be a string or an array of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings")
+    return GenerateParams(
+        prompt=parse_prompt_input(params),
+        model=_get(params, "model", (str,), None, "a string"),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop),
+        stream=_get(params, "stream", (bool,), False, "a boolean"),
+        session=_get(params, "session", (str,), None, "a string"),
+        cache=parse_cache_options(params),
+    )
+
+
+def parse_prompt_request(params: dict[str, Any], extra: set[str] = frozenset()) -> tuple[PromptInput, str | None]:
+    """Validate tokenize / cache.* parameters: a prompt and an optional model."""
+    _check_keys(params, _PROMPT_KEYS | set(extra))
+    return parse_prompt_input(params), _get(params, "model", (str,), None, "a string")
+
+
+def parse_cancel(params: dict[str, Any]) -> int:
+    """``cancel`` takes {id: msgid of a request on the same connection}."""
+    _check_keys(params, {"id"})
+    msgid = params.get("id")
+    if not isinstance(msgid, int) or isinstance(msgid, bool):
+        raise _invalid("'id' must be the integer msgid of a generate request on this connection")
+    return msgid
