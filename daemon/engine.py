@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -209,7 +208,8 @@ class Engine:
             else:
                 result = self.store.unpin(loaded.fingerprint, tokens)
         except NotStored as exc:
-            raise RpcError(ErrorCode.NOT_CACHED, f"{exc}; send it with cache.warm first") from None
+            hint = "send it with cache.warm first" if pinned else "it is not pinned"
+            raise RpcError(ErrorCode.NOT_CACHED, f"{exc}; {hint}") from None
         except PinBudgetExceeded as exc:
             raise RpcError(ErrorCode.PIN_BUDGET_EXCEEDED, str(exc)) from None
         return {"pinned_tokens": result.pinned_tokens, "pinned_bytes": result.pinned_bytes}
