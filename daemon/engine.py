@@ -16,9 +16,9 @@ from typing import Any, Callable, TypeVar
 import structlog
 
 from ..protocol.errors import ErrorCode, RpcError
-from .generation import GenerationRun
+from .scheduler import Scheduler
 from .inbox import Inbox
-from .jobs import DONE, FAILED, GenerateJob
+from .jobs import GenerateJob
 from .loaded_model import LoadedModel, load_model
 
 T = TypeVar("T")
@@ -35,6 +35,7 @@ class EngineSettings:
     pinned_bytes: int = 1 << 30
     max_queued: int = 256
     max_queued_per_client: int = 64
+    max_active: int = 16  # sequences prefilling or decoding at once
 
 
 class Engine:
@@ -45,8 +46,8 @@ class Engine:
         self.model_names: tuple[str, ...] = ()  # read by the front: plain strings only
         self.default_model: str | None = None
         self.store: Any = None
-        self.active_job: GenerateJob | None = None
-        self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.scheduler: Scheduler | None = None
+        self._held_job: GenerateJob | None = None  # admitted once memory frees up
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._stopping = threading.Event()
@@ -64,6 +65,10 @@ class Engine:
             raise TimeoutError(f"models did not load within {timeout:.0f} s")
         if self._startup_error is not None:
             raise self._startup_error
+
+    def cancel_all(self) -> None:
+        """Cancel every running sequence (shutdown); they answer at the next step."""
+        self.inbox.put_control(lambda: self.scheduler and self.scheduler.cancel_all())
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
@@ -109,13 +114,27 @@ class Engine:
             return
         self._ready.set()
         while not self._stopping.is_set():
-            item = self.inbox.take(timeout=0.25)
-            if item is None:
+            self.poll_controls()
+            self._admit_jobs()
+            if self.scheduler.has_work:
+                self.scheduler.step()
                 continue
+            item = self.inbox.take(timeout=0.25)  # idle: sleep until something arrives
             if isinstance(item, GenerateJob):
-                self._run_job(item)
-            else:
+                self._held_job = item
+            elif item is not None:
                 item()
+
+    def _admit_jobs(self) -> None:
+        scheduler = self.scheduler
+        while scheduler.can_admit():
+            job = self._held_job or self.inbox.take_job()
+            self._held_job = None
+            if job is None:
+                return
+            if not scheduler.admit(job):
+                self._held_job = job  # its KV does not fit yet: keep it first in line
+                return
 
     def _load_all(self) -> None:
         from .prefix_store import PrefixStore
@@ -146,6 +165,13 @@ class Engine:
             max_pinned_bytes=self.settings.pinned_bytes,
             recompute_seconds=self._recompute_seconds,
         )
+        self.scheduler = Scheduler(
+            self.store,
+            chunk_size=self.settings.prefill_chunk,
+            max_active=self.settings.max_active,
+            kv_budget_bytes=self.settings.cache_bytes,
+            resolve_model=self.model_for,
+        )
 
     def _recompute_seconds(self, start_depth: int, num_tokens: int) -> float:
         rates = [m.prefill_tokens_per_s for m in self.models.values() if m.prefill_tokens_per_s]
@@ -164,29 +190,6 @@ class Engine:
         if loaded is None:
             raise RpcError(ErrorCode.MODEL_NOT_FOUND, f"no model named {name!r} is loaded; loaded: {', '.join(self.models)}")
         return loaded
-
-    def _run_job(self, job: GenerateJob) -> None:
-        if job.cancelled.is_set():
-            self.counters["cancelled"] += 1
-            job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
-            return
-        self.active_job = job
-        try:
-            loaded = self.model_for(job.params.model)
-            run = GenerationRun(job, loaded, self.store, self.settings.prefill_chunk, self.poll_controls)
-            result = run.run()
-        except RpcError as err:
-            self.counters["failed"] += 1
-            job.emit(FAILED, err)
-        except Exception as exc:  # one bad request must not take the daemon down
-            self.counters["failed"] += 1
-            log.exception("request_failed", request_id=job.request_id)
-            job.emit(FAILED, RpcError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
-        else:
-            self.counters["cancelled" if result["finish_reason"] == "cancelled" else "completed"] += 1
-            job.emit(DONE, result)
-        finally:
-            self.active_job = None
 
     # -- control calls (run on the engine thread through call()) -----------------------
 
@@ -217,7 +220,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         store_stats = self.store.stats() if self.store is not None else None
         return {
-            "requests": {**self.counters, "active": 1 if self.active_job else 0, **self.inbox.counts()},
+            "requests": {**self.scheduler.counters, **self.scheduler.counts(), **self.inbox.counts()},
             "cache": _plain(store_stats),
             "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1)} for name, m in self.models.items()},
         }

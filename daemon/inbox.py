@@ -55,6 +55,11 @@ class Inbox:
         with self._lock:
             return self._controls.popleft() if self._controls else None
 
+    def take_job(self) -> GenerateJob | None:
+        """The next job round-robin across clients, without waiting."""
+        with self._lock:
+            return self._pop_job()
+
     def take(self, timeout: float) -> Callable[[], Any] | GenerateJob | None:
         """Next control call, else the next job round-robin; None after ``timeout``."""
         with self._lock:
@@ -62,15 +67,18 @@ class Inbox:
                 self._lock.wait(timeout)
             if self._controls:
                 return self._controls.popleft()
-            if not self._num_queued:
-                return None
-            client_id, queue = next(iter(self._per_client.items()))
-            job = queue.popleft()
-            self._num_queued -= 1
-            del self._per_client[client_id]
-            if queue:  # the client goes to the back of the line
-                self._per_client[client_id] = queue
-            return job
+            return self._pop_job()
+
+    def _pop_job(self) -> GenerateJob | None:
+        if not self._num_queued:
+            return None
+        client_id, queue = next(iter(self._per_client.items()))
+        job = queue.popleft()
+        self._num_queued -= 1
+        del self._per_client[client_id]
+        if queue:  # the client goes to the back of the line
+            self._per_client[client_id] = queue
+        return job
 
     def close(self) -> list[GenerateJob]:
         """Refuse new jobs; return the queued ones so the caller can fail them."""

@@ -62,6 +62,7 @@ class LoadedModel:
     dtype: str
     load_seconds: float
     weight_bytes: int
+    kv_bytes_per_token: int = 0  # attention KV per token, all layers
     prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -164,12 +165,14 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> Loade
     config = json.loads((path / "config.json").read_text())
     weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
     first_param = next(v for _, v in _flatten(model.parameters()))
+    layout = make_cache_layout(model)
     return LoadedModel(
         name=name or path.name,
         path=path,
         model=model,
         tokenizer=tokenizer,
-        layout=make_cache_layout(model),
+        layout=layout,
+        kv_bytes_per_token=_kv_bytes_per_token(model, layout),
         fingerprint=model_fingerprint(path, tokenizer, str(first_param.dtype)),
         context_length=_context_length(config),
         dtype=str(first_param.dtype).replace("mlx.core.", ""),
@@ -215,6 +218,20 @@ def model_fingerprint(path: Path, tokenizer: Any, dtype: str) -> str:
     digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
     digest.update(f"{dtype}|mlx={mx.__version__}|mlx_lm={mlx_lm.__version__}".encode())
     return digest.hexdigest()[:16]
+
+
+def _kv_bytes_per_token(model: Any, layout: CacheLayout) -> int:
+    """Measured, not derived from the config: one token through a fresh cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    total = 0
+    for index in layout.attention_layers:
+        keys, values = cache[index].keys, cache[index].values
+        mx.eval(keys, values)
+        total += (keys.nbytes + values.nbytes) // keys.shape[2]
+    return total
 
 
 def _context_length(config: dict[str, Any]) -> int:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-from prefixd.daemon.generation import GenerationRun
-from prefixd.daemon.jobs import DONE, GenerateJob
+from prefixd.daemon.generation import run_job
+from prefixd.daemon.jobs import GenerateJob
 from prefixd.daemon.kv_payloads import fork_cache
 from prefixd.daemon.loaded_model import load_model
 from prefixd.daemon.prefix_store import PrefixStore
@@ -43,7 +43,7 @@ def run(loaded, store, *, prompt=None, messages=None, tokens=None, max_tokens=8,
         cache=CacheOptions(use=use, store=use),
     )
     job = GenerateJob("test", 1, params, emit=lambda kind, payload: None, warm_only=warm)
-    return GenerationRun(job, loaded, store, chunk, poll=lambda: None).run()
+    return run_job(job, loaded, store, chunk)
 
 
 def prompt_tokens(loaded, num_tokens: int) -> list[int]:

@@ -1,0 +1,106 @@
+"""Prompt processing for one sequence: prefix lookup, fork, chunked prefill, storing.
+
+A prompt is fed in chunks that end on checkpoints: absolute multiples of
+the chunk size (so a cold and a warm run cut the same prompt at the same
+places), chat-message ends, and the prompt's end (len - 1: the last token is
+fed by the first decode step). After each chunk the new KV and the
+checkpoint go to the store at once, so a concurrent request with the same
+prefix, a cancelled request, and the next turn of a chat can all reuse it.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from .cache_report import CacheReport
+from .jobs import GenerateJob
+from .kv_payloads import capture_segment, capture_snapshot, fork_cache
+from .loaded_model import EncodedPrompt, LoadedModel
+from .sequence import Phase, Sequence
+
+CHECKPOINT_PRIORITY = {"prompt-end": 3, "message": 2, "chunk": 1}
+
+
+def plan_prefill(start: int, end: int, chunk_size: int, prompt: EncodedPrompt) -> list[tuple[int, str]]:
+    """The (depth, kind) stops of a prefill of tokens [start, end), ascending."""
+    kinds: dict[int, str] = {}
+
+    def add(depth: int, kind: str) -> None:
+        if start < depth <= end and CHECKPOINT_PRIORITY[kind] > CHECKPOINT_PRIORITY.get(kinds.get(depth, ""), 0):
+            kinds[depth] = kind
+
+    for depth in range((start // chunk_size + 1) * chunk_size, end + 1, chunk_size):
+        add(depth, "chunk")
+    for span in prompt.message_spans:
+        add(span.end_token, "message")
+    add(end, "prompt-end")
+    return sorted(kinds.items())
+
+
+def make_sequence(job: GenerateJob, loaded: LoadedModel) -> Sequence:
+    """Encode and check the prompt; raises RpcError for a bad one."""
+    prompt = loaded.encode(job.params.prompt)
+    loaded.check_length(len(prompt.tokens) + (0 if job.warm_only else 1))
+    return Sequence(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)))
+
+
+def uses_store(store: Any, seq: Sequence) -> bool:
+    return store is not None and seq.loaded.layout.is_supported
+
+
+def start_prefill(seq: Sequence, store: Any, chunk_size: int) -> None:
+    """Find the longest usable stored prefix, fork a private cache from it, plan the rest."""
+    loaded, options = seq.loaded, seq.params.cache
+    if seq.lease is not None:  # a second lookup, after waiting for a shared prefix
+        store.release(seq.lease)
+        seq.lease = None
+    match = None
+    if not uses_store(store, seq):
+        seq.report.turn_off("unsupported-cache")
+    elif not options.use:
+        seq.report.turn_off("disabled")
+    else:
+        match = store.match(
+            loaded.fingerprint, seq.tokens, max_length=len(seq.tokens) - 1, requires_snapshot=loaded.layout.is_hybrid
+        )
+        seq.report.record_match(match, seq.prompt, loaded.prefill_tokens_per_s)
+        seq.lease = match.lease
+    seq.reused = match.length if match is not None else 0
+    seq.cache = fork_cache(
+        loaded.model, loaded.layout, list(match.segments) if match else [], match.snapshot if match else None, seq.reused
+    )
+    seq.position = seq.stored_upto = seq.reused
+    seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
+    seq.phase = Phase.PREFILL
+    seq.prefill_started_at = time.monotonic()
+
+
+def prefill_step(seq: Sequence, store: Any) -> None:
+    """Feed the next chunk of the prompt and store it; the caller checks seq.plan."""
+    depth, kind = seq.plan.pop(0)
+    started = time.monotonic()
+    seq.loaded.model(mx.array(seq.tokens[seq.position : depth])[None], cache=seq.cache)
+    mx.eval([c.state for c in seq.cache])
+    seq.loaded.note_prefill_rate(depth - seq.position, time.monotonic() - started)
+    seq.position = depth
+    seq.checkpoints[depth] = (kind, capture_snapshot(seq.cache, seq.loaded.layout))
+    store_progress(seq, store, seq.cache, seq.tokens[:depth])
+
+
+def store_progress(seq: Sequence, store: Any, cache: list[Any], tokens: list[int]) -> None:
+    """Give the store what this sequence computed since the last call."""
+    depth = len(tokens)
+    if not uses_store(store, seq) or not seq.params.cache.store or depth <= seq.stored_upto:
+        seq.checkpoints.clear()
+        return
+    segment = capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth)
+    checkpoints = {d: c for d, c in seq.checkpoints.items() if d <= depth}
+    result = store.insert(seq.loaded.fingerprint, tokens, seq.stored_upto, segment, checkpoints)
+    seq.report.stored_tokens += result.stored_tokens
+    seq.stored_upto = depth
+    seq.checkpoints.clear()
+
