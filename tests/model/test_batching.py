@@ -1,0 +1,79 @@
+"""Continuous batching gives every request what it would get alone.
+
+N greedy requests (different prompts, some sharing prefixes, different
+lengths and budgets) decoded together in one batch must produce the same
+text as each run alone without the cache, on the tiny llama-style model, the
+tiny lfm2 hybrid and SmolLM2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixd.daemon.generation import run_job, run_jobs
+from prefixd.daemon.jobs import CHUNK, GenerateJob
+from prefixd.daemon.loaded_model import load_model
+from prefixd.daemon.prefix_store import PrefixStore
+from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
+
+SOURCE_TEXT = __import__("inspect").getsource(__import__("json.decoder", fromlist=["x"]))
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2", "smollm2"])
+def loaded(request):
+    name = "smollm2_dir" if request.param == "smollm2" else f"tiny_{request.param}_dir"
+    return load_model(str(request.getfixturevalue(name)), dtype="float32")
+
+
+def make_job(loaded, text: str, max_tokens: int, use_cache: bool = True, events=None) -> GenerateJob:
+    params = GenerateParams(prompt=PromptInput(text=text), max_tokens=max_tokens, cache=CacheOptions(use=use_cache, store=use_cache))
+    emit = (lambda kind, payload: events.append((kind, payload))) if events is not None else (lambda kind, payload: None)
+    return GenerateJob("test", 1, params, emit)
+
+
+def make_store() -> PrefixStore:
+    return PrefixStore(max_bytes=2 << 30, max_nodes=100_000, max_pinned_bytes=1 << 28)
+
+
+def test_concurrent_greedy_requests_match_solo_runs(loaded):
+    shared = SOURCE_TEXT[:1800]
+    prompts = [
+        shared + "\n# question one",
+        shared + "\n# another, longer question about the decoder",
+        SOURCE_TEXT[3000:3400],
+        "A short prompt.",
+        shared[:900] + " and a branch in the middle",
+        SOURCE_TEXT[5000:7000],
+    ]
+    budgets = [12, 7, 15, 10, 9, 11]
+    store = make_store()
+    together = run_jobs([make_job(loaded, p, n) for p, n in zip(prompts, budgets)], loaded, store, chunk_size=128)
+    for prompt, budget, result in zip(prompts, budgets, together):
+        alone = run_job(make_job(loaded, prompt, budget, use_cache=False), loaded, None, chunk_size=128)
+        assert result["text"] == alone["text"], prompt[:40]
+        assert result["usage"]["completion_tokens"] <= budget
+    # The prompts sharing the long prefix computed it once: someone reused it.
+    assert sum(r["cache"]["reused_tokens"] for r in together) > 0
+    store.check_integrity()
+
+
+def test_a_request_sharing_an_inflight_prefix_waits_and_reuses_it(loaded):
+    shared = SOURCE_TEXT[:2500]
+    store = make_store()
+    first, second = run_jobs(
+        [make_job(loaded, shared + "\n# first", 4), make_job(loaded, shared + "\n# second", 4)],
+        loaded,
+        store,
+        chunk_size=64,
+    )
+    num_shared = first["usage"]["prompt_tokens"] - 10
+    assert second["cache"]["reused_tokens"] >= num_shared - 64, (first["cache"], second["cache"])
+    assert first["cache"]["reused_tokens"] + second["cache"]["reused_tokens"] > 0
+
+
+def test_streamed_chunks_of_a_batched_request_add_up_to_its_text(loaded):
+    events: list = []
+    jobs = [make_job(loaded, SOURCE_TEXT[:400], 12, events=events), make_job(loaded, SOURCE_TEXT[400:800], 12)]
+    jobs[0].params = GenerateParams(prompt=jobs[0].params.prompt, max_tokens=12, stream=True)
+    result = run_jobs(jobs, loaded, make_store())[0]
+    assert "".join(payload["text"] for kind, payload in events if kind == CHUNK) == result["text"]
