@@ -218,10 +218,14 @@ class Engine:
         return {"pinned_tokens": result.pinned_tokens, "pinned_bytes": result.pinned_bytes}
 
     def stats(self) -> dict[str, Any]:
-        store_stats = self.store.stats() if self.store is not None else None
+        store_stats = self.store.stats()
+        names = {m.fingerprint: name for name, m in self.models.items()}
         return {
             "requests": {**self.scheduler.counters, **self.scheduler.counts(), **self.inbox.counts()},
-            "cache": _plain(store_stats),
+            "cache": {
+                "total": _plain(store_stats.total),
+                "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
+            },
             "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1)} for name, m in self.models.items()},
         }
 

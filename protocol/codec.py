@@ -17,6 +17,7 @@ from .errors import ErrorCode, RpcError
 from .messages import Message, parse_message
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+READ_SLACK_BYTES = 1024 * 1024  # callers feed reads of at most this size
 
 
 def encode(message: Message) -> bytes:
@@ -45,7 +46,9 @@ class StreamDecoder:
         self._unpacker = msgpack.Unpacker(
             raw=False,
             strict_map_key=False,
-            max_buffer_size=max_message_bytes,
+            # The buffer holds a partial message plus one read, so it gets
+            # room beyond the per-message limit, which is checked per message.
+            max_buffer_size=max_message_bytes + READ_SLACK_BYTES,
         )
         self._num_fed_bytes = 0
         self._num_consumed_bytes = 0
@@ -74,7 +77,13 @@ class StreamDecoder:
                 ) from None
             except (ValueError, msgpack.UnpackException, UnicodeDecodeError) as exc:
                 raise RpcError(ErrorCode.PARSE_ERROR, f"not valid msgpack: {exc}") from None
+            message_bytes = self._unpacker.tell() - self._num_consumed_bytes
             self._num_consumed_bytes = self._unpacker.tell()
+            if message_bytes > self.max_message_bytes:
+                raise RpcError(
+                    ErrorCode.MESSAGE_TOO_LARGE,
+                    f"message of {message_bytes} bytes is larger than the limit of {self.max_message_bytes} bytes",
+                )
             try:
                 yield parse_message(obj)
             except RpcError as err:

@@ -48,7 +48,10 @@ class RpcError(Exception):
     def from_wire(cls, obj: Any) -> "RpcError":
         """Rebuild an error from a response's error field (tolerates non-map errors)."""
         if isinstance(obj, dict):
-            return cls(int(obj.get("code", ErrorCode.INTERNAL)), str(obj.get("message", "")), obj.get("data"))
+            code = obj.get("code", ErrorCode.INTERNAL)
+            if not isinstance(code, int) or isinstance(code, bool):
+                code = ErrorCode.INTERNAL
+            return cls(code, str(obj.get("message", "")), obj.get("data"))
         return cls(ErrorCode.INTERNAL, str(obj))
 
     def __repr__(self) -> str:

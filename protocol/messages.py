@@ -61,6 +61,8 @@ def parse_message(obj: Any) -> Message:
     if not isinstance(obj, (list, tuple)) or not obj:
         raise RpcError(ErrorCode.INVALID_REQUEST, "a msgpack-RPC message is an array [type, ...]")
     kind = obj[0]
+    if type(kind) is not int:  # True == 1 and 0.0 == 0 in Python; not on the wire
+        raise RpcError(ErrorCode.INVALID_REQUEST, f"message type must be the integer 0, 1 or 2, got {kind!r}")
     if kind == MessageType.REQUEST:
         if len(obj) != 4:
             raise RpcError(ErrorCode.INVALID_REQUEST, "a request is [0, msgid, method, params]")

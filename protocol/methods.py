@@ -157,8 +157,12 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
     if not 0.0 < top_p <= 1.0:
         raise _invalid("'top_p' must be in (0, 1]")
     seed = _get(params, "seed", (int,), None, "an integer")
-    stop = params.get("stop") or ()
-    if isinstance(stop, str):
+    if seed is not None and not 0 <= seed < 2**63:
+        raise _invalid("'seed' must be between 0 and 2**63-1")
+    stop = params.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise _invalid("'stop' must be a string or an array of non-empty strings")
@@ -188,6 +192,6 @@ def parse_cancel(params: dict[str, Any]) -> int:
     """``cancel`` takes {id: msgid of a request on the same connection}."""
     _check_keys(params, {"id"})
     msgid = params.get("id")
-    if not isinstance(msgid, int) or isinstance(msgid, bool):
+    if not isinstance(msgid, int) or isinstance(msgid, bool) or not 0 <= msgid < 2**32:
         raise _invalid("'id' must be the integer msgid of a generate request on this connection")
     return msgid
