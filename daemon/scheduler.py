@@ -127,7 +127,10 @@ class Scheduler:
         for decoder in list(self._decoders.values()):
             if len(decoder):
                 self._decode_step(decoder)
-        self._prefill_one()
+        # A sequence that just joined a decode batch gets its first token
+        # from the next decode steps: run those before another (long) chunk.
+        if not any(s.phase is Phase.DECODE and s.first_token_at is None for s in self.active):
+            self._prefill_one()
 
     def _wake_waiters(self) -> None:
         for seq in self.active:
@@ -143,11 +146,23 @@ class Scheduler:
         self._prefill_turns.append(seq)
 
     def _prefill_one(self) -> None:
-        while self._prefill_turns:
-            seq = self._prefill_turns.popleft()
-            if seq.phase is Phase.PREFILL:
-                self._guard(seq, lambda: self._prefill_chunk(seq))
-                return
+        """One chunk for the prefilling sequence with the least prompt left.
+
+        Shortest-remaining-first gets a short request to its first token
+        after at most one chunk of a long one; a sequence passed over twice
+        in a row goes next, so a long prompt is never starved.
+        """
+        turns = [s for s in self._prefill_turns if s.phase is Phase.PREFILL]
+        self._prefill_turns = deque(turns)
+        if not turns:
+            return
+        starved = [s for s in turns if s.num_prefill_skips >= 2]
+        seq = starved[0] if starved else min(turns, key=lambda s: len(s.tokens) - s.position)
+        self._prefill_turns.remove(seq)
+        for other in self._prefill_turns:
+            other.num_prefill_skips += 1
+        seq.num_prefill_skips = 0
+        self._guard(seq, lambda: self._prefill_chunk(seq))
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.is_cancelled:

@@ -54,6 +54,7 @@ class Sequence:
     finished_at: float | None = None
     finish_reason: str | None = None
     kv_bytes_estimate: int = 0
+    num_prefill_skips: int = 0  # prefill turns given to others in a row
 
     def __post_init__(self) -> None:
         self.detokenizer = self.loaded.tokenizer.detokenizer
