@@ -77,3 +77,22 @@ def test_streamed_chunks_of_a_batched_request_add_up_to_its_text(loaded):
     jobs[0].params = GenerateParams(prompt=jobs[0].params.prompt, max_tokens=12, stream=True)
     result = run_jobs(jobs, loaded, make_store())[0]
     assert "".join(payload["text"] for kind, payload in events if kind == CHUNK) == result["text"]
+
+
+def test_a_short_request_is_not_stalled_behind_a_long_prefill(loaded):
+    """Chunked prefill: the short prompt's first token comes before the long prompt's."""
+    first_token_order: list[str] = []
+
+    def job(name: str, text: str) -> GenerateJob:
+        def emit(kind, payload):
+            if kind == CHUNK and name not in first_token_order:
+                first_token_order.append(name)
+
+        params = GenerateParams(prompt=PromptInput(text=text), max_tokens=3, stream=True, cache=CacheOptions(False, False))
+        return GenerateJob(name, 1, params, emit)
+
+    long_job = job("long", SOURCE_TEXT[:6000])
+    short_job = job("short", "Hello there.")
+    results = run_jobs([long_job, short_job], loaded, None, chunk_size=64)
+    assert results[0]["usage"]["prompt_tokens"] > 5 * 64  # many chunks
+    assert first_token_order[0] == "short", first_token_order
