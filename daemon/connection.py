@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
-import struct
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -20,6 +18,7 @@ from ..protocol import codec
 from ..protocol.errors import ErrorCode, RpcError
 from ..protocol.messages import Message, Notification, Request, Response
 from .jobs import GenerateJob
+from .peer_auth import PeerPolicy, peer_credentials
 
 log = structlog.get_logger("prefixd.connection")
 _connection_ids = itertools.count(1)
@@ -29,13 +28,22 @@ Handler = Callable[["Connection", Request], Awaitable[Any]]
 
 
 class Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: Handler, max_message_bytes: int):
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: Handler,
+        max_message_bytes: int,
+        peer_policy: PeerPolicy | None = None,
+    ):
         self.client_id = f"c{next(_connection_ids)}"
         self.reader = reader
         self.writer = writer
         self.handler = handler
         self.decoder = codec.StreamDecoder(max_message_bytes)
-        self.peer_pid, self.peer_uid = peer_credentials(writer.get_extra_info("socket"))
+        self.peer = peer_credentials(writer.get_extra_info("socket"))
+        self.peer_pid, self.peer_uid = self.peer.pid, self.peer.uid
+        self.peer_policy = peer_policy or PeerPolicy()
         self.jobs: dict[int, GenerateJob] = {}  # in-flight generate jobs by msgid
         self._tasks: set[asyncio.Task] = set()
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -62,6 +70,12 @@ class Connection:
 
     async def serve(self) -> None:
         """Read until EOF or a fatal framing error; then cancel what is still running."""
+        refusal = self.peer_policy.refusal(self.peer)
+        if refusal is not None:
+            log.warning("client_refused", client=self.client_id, pid=self.peer_pid, uid=self.peer_uid, reason=refusal)
+            self.closed.set()
+            self.writer.close()
+            return
         self._writer_task = asyncio.create_task(self._write_loop())
         log.info("client_connected", client=self.client_id, pid=self.peer_pid, uid=self.peer_uid)
         reason = "eof"
@@ -97,6 +111,9 @@ class Connection:
             log.debug("client_notification_ignored", client=self.client_id, method=item.method)
 
     async def _answer(self, request: Request) -> None:
+        # Every log line of this request names the peer.
+        structlog.contextvars.bind_contextvars(client=self.client_id, pid=self.peer_pid, uid=self.peer_uid)
+        log.debug("request", method=request.method, msgid=request.msgid)
         try:
             result = await self.handler(self, request)
         except RpcError as err:
@@ -140,16 +157,3 @@ class Connection:
         for job in self.jobs.values():
             job.cancel()
 
-
-def peer_credentials(sock: socket.socket | None) -> tuple[int | None, int | None]:
-    """The peer's pid and uid (Linux SO_PEERCRED; elsewhere getpeereid where available)."""
-    if sock is None:
-        return None, None
-    if hasattr(socket, "SO_PEERCRED"):
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, _gid = struct.unpack("3i", raw)
-            return pid, uid
-        except OSError:
-            return None, None
-    return None, None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
@@ -30,6 +30,7 @@ class Handlers:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.started_at = time.time()
+        self._draining: set[asyncio.Task] = set()  # log the end of jobs nobody waits for
         self._table = {
             m.HELLO: self.hello,
             m.PING: self.ping,
@@ -107,9 +108,34 @@ class Handlers:
         return {"model": result["model"], "cache": result["cache"], "timings": result["timings"]}
 
     async def _run_job(self, conn: Connection, msgid: int, params: m.GenerateParams, warm_only: bool) -> dict:
-        self._check_model(params.model)
         if msgid in conn.jobs:
             raise RpcError(ErrorCode.INVALID_REQUEST, f"msgid {msgid} is already in flight on this connection")
+        return await self.run_job(
+            conn.client_id,
+            msgid,
+            params,
+            warm_only=warm_only,
+            on_chunk=lambda chunk: conn.send(Notification(m.GENERATE_CHUNK, [chunk])),
+            jobs=conn.jobs,
+        )
+
+    async def run_job(
+        self,
+        client_id: str,
+        msgid: int | None,
+        params: m.GenerateParams,
+        *,
+        warm_only: bool = False,
+        on_chunk: Callable[[dict], None] | None = None,
+        jobs: dict[Any, GenerateJob] | None = None,
+    ) -> dict:
+        """Run one generate (or cache.warm) job on the engine and return its result map.
+
+        The core both fronts share: ``on_chunk`` receives stream chunks on the
+        event loop; ``jobs`` (if given) holds the job under ``msgid`` while it
+        runs. Cancelling the awaiting task cancels the job on the engine.
+        """
+        self._check_model(params.model)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -119,22 +145,41 @@ class Handlers:
             except RuntimeError:
                 pass  # the loop is gone: the daemon is exiting
 
-        job = GenerateJob(conn.client_id, msgid, params, emit, warm_only=warm_only)
+        job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only)
         self.engine.submit(job)
-        conn.jobs[msgid] = job
+        if jobs is not None:
+            jobs[msgid] = job
         try:
             while True:
                 kind, payload = await events.get()
                 if kind == CHUNK:
-                    conn.send(Notification(m.GENERATE_CHUNK, [payload]))
+                    if on_chunk is not None:
+                        on_chunk(payload)
                 elif kind == DONE:
-                    self._log_request(conn, job, payload)
+                    self._log_request(client_id, job, payload)
                     return payload
                 else:
                     log.info("request_failed", request_id=job.request_id, code=payload.code, error=payload.message)
                     raise payload
+        except asyncio.CancelledError:
+            job.cancel()  # nobody waits for it any more: free the engine
+            task = asyncio.create_task(self._log_abandoned(client_id, job, events))
+            self._draining.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._draining.discard)
+            raise
         finally:
-            conn.jobs.pop(msgid, None)
+            if jobs is not None:
+                jobs.pop(msgid, None)
+
+    async def _log_abandoned(self, client_id: str, job: GenerateJob, events: asyncio.Queue) -> None:
+        """Log how a job whose requester went away ended (finish_reason "cancelled", usually)."""
+        while True:
+            kind, payload = await events.get()
+            if kind == DONE:
+                self._log_request(client_id, job, payload)
+                return
+            if kind != CHUNK:
+                return
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.engine.model_names:
@@ -144,13 +189,13 @@ class Handlers:
             )
 
     @staticmethod
-    def _log_request(conn: Connection, job: GenerateJob, result: dict) -> None:
+    def _log_request(client_id: str, job: GenerateJob, result: dict) -> None:
+        # The peer's pid and uid come from the context the front bound.
         cache, timings = result["cache"], result["timings"]
         log.info(
             "cache_warm" if job.warm_only else "generate",
             request_id=job.request_id,
-            client=conn.client_id,
-            pid=conn.peer_pid,
+            client=client_id,
             session=job.params.session,
             model=result["model"],
             prompt_tokens=result["usage"]["prompt_tokens"],
