@@ -34,6 +34,8 @@ def format_cache_line(result: dict[str, Any]) -> str:
         f"reused {_count(cache.get('reused_tokens'))} of {_count(cache.get('prompt_tokens'))} prompt tokens "
         f"(prefilled {_count(cache.get('prefilled_tokens'))}, stored {_count(cache.get('stored_tokens'))})"
     ]
+    if cache.get("source") == "disk":  # worth saying: a restart did not cost the warm cache
+        parts.append("from the disk cache")
     if hit != "exact" and (reason := describe_miss(cache)):
         parts.append(reason)
     if timings.get("ttft_ms") is not None:

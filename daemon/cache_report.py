@@ -20,7 +20,7 @@ class CacheReport:
     miss_reason: str | None = None
     diverged_at: int | None = None
     diverged_message: dict[str, Any] | None = None
-    source: str = "memory"
+    source: str | None = None  # memory | disk: where the reused prefix was computed; None when nothing was reused
 
     def turn_off(self, reason: str) -> None:
         self.hit, self.miss_reason = "off", reason

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from .cache_report import CacheReport
+from .disk_entries import match_source
 from .jobs import GenerateJob
 from .kv_payloads import capture_segment, capture_snapshot, fork_cache
 from .loaded_model import EncodedPrompt, LoadedModel
@@ -68,6 +69,8 @@ def start_prefill(seq: Sequence, store: Any, chunk_size: int) -> None:
             loaded.fingerprint, seq.tokens, max_length=len(seq.tokens) - 1, requires_snapshot=loaded.layout.is_hybrid
         )
         seq.report.record_match(match, seq.prompt, loaded.prefill_tokens_per_s)
+        if match.length:
+            seq.report.source = match_source(match)
         seq.lease = match.lease
     seq.reused = match.length if match is not None else 0
     seq.cache = fork_cache(

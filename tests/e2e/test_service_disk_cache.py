@@ -88,7 +88,6 @@ def test_corrupted_files_are_a_miss_and_one_log_line_each(tiny_llama_dir, tmp_pa
     assert sorted(Path(e["file"]) for e in skipped) == files  # one line per bad file, no more
 
 
-@pytest.mark.xfail(reason="needs the engine to set the reply's cache.source from disk_entries.match_source(match)", strict=False)
 def test_the_reply_says_the_prefix_came_from_disk(tiny_llama_dir, tmp_path):
     cache_dir = tmp_path / "kv"
     with running(tiny_llama_dir, tmp_path / "run1", cache_dir) as first:

@@ -40,6 +40,9 @@ def test_cache_line_reads_like_a_sentence():
     next_turn = dict(CACHE, miss_reason="extends", diverged_at=1204)
     assert "went past the stored prompt at token 1204, message 3 (user)" in format_cache_line({"cache": next_turn})
     assert format_cache_line({}).startswith("cache: unknown")  # an odd reply still prints something
+    after_restart = dict(exact, source="disk")
+    assert "from the disk cache" in format_cache_line({"cache": after_restart})
+    assert "disk" not in format_cache_line(make_result("x"))
 
 
 def test_stats_are_flattened():
