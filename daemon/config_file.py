@@ -152,6 +152,7 @@ OPTIONS: dict[str, Option] = {
         Option("cache_dir", path, None, "$XDG_CACHE_HOME/prefixd/kv (macOS: ~/Library/Caches/prefixd/kv)"),
         Option("disk_save_interval", number(1), 60.0),
         Option("prefill_chunk", integer(16), 512),
+        Option("max_active", integer(1), 16),
         Option("max_queued", integer(1), 256),
         Option("max_queued_per_client", integer(1), 64),
         Option("grace_seconds", number(0), 10.0),

@@ -122,13 +122,17 @@ class LoadedModel:
         encoding = backend.encode(text, add_special_tokens=False)
         return list(encoding.ids), [end for _, end in encoding.offsets]
 
-    def check_length(self, num_prompt_tokens: int) -> None:
+    def check_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
+        """A prompt must fit the context, leaving room for one new token when it generates."""
         if num_prompt_tokens == 0:
             raise RpcError(ErrorCode.INVALID_PARAMS, "the prompt is empty")
-        if num_prompt_tokens >= self.context_length:
+        limit = self.context_length - 1 if generates else self.context_length
+        if num_prompt_tokens > limit:
+            room = " and at least one new token" if generates else ""
             raise RpcError(
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {num_prompt_tokens} tokens; model {self.name} has a context of {self.context_length}",
+                f"prompt has {num_prompt_tokens} tokens; model {self.name} has a context of {self.context_length} "
+                f"for the prompt{room}",
                 {"prompt_tokens": num_prompt_tokens, "context_length": self.context_length},
             )
 

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", type=Path, help="where the disk cache lives (default: $XDG_CACHE_HOME/prefixd/kv; macOS ~/Library/Caches/prefixd/kv)")
     parser.add_argument("--disk-save-interval", type=float, help="seconds between saves of what changed (default 60; also saved at shutdown)")
     parser.add_argument("--prefill-chunk", type=int, help="prefill chunk size in tokens, at least 16; every chunk end is a cache checkpoint (default 512)")
+    parser.add_argument("--max-active", type=int, help="sequences prefilling or decoding at once; the rest queue (default 16)")
     parser.add_argument("--max-queued", type=int, help="queued requests in total before OVERLOADED (default 256)")
     parser.add_argument("--max-queued-per-client", type=int, help="queued requests per connection before OVERLOADED (default 64)")
     parser.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default 10)")
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_bytes=cache_bytes,
         cache_nodes=args.cache_entries,
         pinned_bytes=args.pinned_bytes,
+        max_active=args.max_active,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
     )

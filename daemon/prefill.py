@@ -45,7 +45,7 @@ def plan_prefill(start: int, end: int, chunk_size: int, prompt: EncodedPrompt) -
 def make_sequence(job: GenerateJob, loaded: LoadedModel) -> Sequence:
     """Encode and check the prompt; raises RpcError for a bad one."""
     prompt = loaded.encode(job.params.prompt)
-    loaded.check_length(len(prompt.tokens) + (0 if job.warm_only else 1))
+    loaded.check_length(len(prompt.tokens), generates=not job.warm_only)
     return Sequence(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)))
 
 

@@ -14,7 +14,7 @@ Engine thread only.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable
 
 import structlog
@@ -259,6 +259,7 @@ class Scheduler:
             "prefilling": phases.count(Phase.PREFILL),
             "decoding": phases.count(Phase.DECODE),
             "kv_reserved_bytes": sum(s.kv_bytes_estimate for s in self.active),
+            "active_per_client": dict(Counter(s.job.client_id for s in self.active)),
         }
 
     def cancel_all(self) -> None:

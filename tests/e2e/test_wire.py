@@ -173,7 +173,7 @@ def test_stats_has_request_counters_cache_and_model_maps(shared_daemon):
     assert isinstance(after["uptime_s"], float) and after["uptime_s"] >= before["uptime_s"]
     requests = after["requests"]
     assert {"completed", "cancelled", "failed", "active", "waiting", "prefilling", "decoding", "kv_reserved_bytes",
-            "queued", "queued_per_client"} <= set(requests)
+            "queued", "queued_per_client", "active_per_client"} <= set(requests)
     assert requests["completed"] == before["requests"]["completed"] + 1
     assert STORE_STAT_KEYS <= set(after["cache"]["total"])
     assert STORE_STAT_KEYS <= set(after["cache"]["per_model"]["llama"])
