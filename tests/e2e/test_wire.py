@@ -98,7 +98,8 @@ def test_generate_result_has_the_documented_maps(shared_daemon):
     assert set(cache) == CACHE_KEYS
     assert cache["prompt_tokens"] == usage["prompt_tokens"]
     assert cache["prefilled_tokens"] == cache["prompt_tokens"] - cache["reused_tokens"]
-    assert cache["hit"] in ("exact", "partial", "miss", "off") and cache["source"] == "memory"
+    assert cache["hit"] in ("exact", "partial", "miss", "off")
+    assert cache["source"] == ("memory" if cache["reused_tokens"] else None)
     assert set(result["timings"]) == TIMING_KEYS
     assert all(isinstance(value, float) for value in result["timings"].values())
     timings = result["timings"]
