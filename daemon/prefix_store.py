@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 from .eviction import (Budget, EvictionPolicy, Ledger, Node, RecencyCostPolicy, RecomputeSeconds,
                        default_recompute_seconds, require)
 
+from .radix_tree import check_edges, check_payload, descendants, longest_head, snapshot_nbytes, touch, walk
 from .store_types import (  # noqa: F401 (re-exported for callers)
     CheckpointKind,
     CHECKPOINT_KINDS,
@@ -86,51 +87,6 @@ class _Step(NamedTuple):
     segment: Segment | None  # None: a checkpoint for an already stored depth
 
 
-def _nbytes(snapshot: Snapshot | None) -> int:
-    return snapshot.nbytes if snapshot is not None else 0
-
-
-def _common_prefix_len(key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
-    """How many leading tokens of key agree with tokens[start:]."""
-    limit, i = min(len(key), len(tokens) - start), 0
-    while i + 64 <= limit and key[i:i + 64] == tokens[start + i:start + i + 64]:
-        i += 64  # slices compare at C speed; finish token by token
-    while i < limit and key[i] == tokens[start + i]:
-        i += 1
-    return i
-
-
-def _longest_head(segment: Segment, max_bytes: int) -> Segment | None:
-    """The longest proper head of segment within max_bytes, if any.
-
-    Splits may copy, so guess from the average token size first and search
-    below the guess only if the segment is not uniform.
-    """
-    guess = min(segment.num_tokens - 1, segment.num_tokens * max_bytes // max(segment.nbytes, 1))
-    if guess < 1:
-        return None
-    head = segment.split(guess)[0]
-    if head.nbytes <= max_bytes:
-        return head
-    lo, hi, best = 1, guess - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        head = segment.split(mid)[0]
-        if head.nbytes <= max_bytes:
-            best, lo = head, mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
-def _descendants(root: Node) -> Iterator[Node]:
-    stack = list(root.children.values())
-    while stack:
-        node = stack.pop()
-        yield node
-        stack.extend(node.children.values())
-
-
 class PrefixStore:
     """Radix trees of KV segments, one per namespace, under global budgets.
 
@@ -171,7 +127,7 @@ class PrefixStore:
         tokens = tuple(tokens)
         max_length = max(0, min(len(tokens) - 1 if max_length is None else max_length, len(tokens)))
         ns = self._namespace(namespace)
-        path, matched = self._walk(ns.root, tokens)
+        path, matched = walk(ns.root, tokens)
         length, used = self._usable(path, min(max_length, matched), requires_snapshot)
         now = self._clock()
         for node in used:
@@ -248,7 +204,7 @@ class PrefixStore:
         tokens, checkpoints = tuple(tokens), dict(checkpoints or {})
         self._check_insert_args(tokens, segment_start, segment, checkpoints)
         ns = self._namespace(namespace)
-        path, num_present = self._walk(ns.root, tokens)
+        path, num_present = walk(ns.root, tokens)
         anchor = path[-1] if path else None
         mid_edge = anchor is not None and anchor.depth > num_present
         num_evictions = self.budget.total.num_evictions
@@ -264,7 +220,7 @@ class PrefixStore:
             taken, complete = self._fit(steps, allow_partial)
             now = self._clock()
             stored_tokens, stored_bytes = self._apply(ns, tokens, taken, now)
-            self._touch(ns.root, tokens[:num_present], now)  # after _apply: splits make new nodes
+            touch(ns.root, tokens[:num_present], now)  # after _apply: splits make new nodes
         finally:
             self.budget.unlock(anchor)
         reason = None if complete else "budget"
@@ -298,7 +254,7 @@ class PrefixStore:
             if node is not None and node.kind is not None and (
                     snapshot is None or node.snapshot is not None):
                 continue  # a node keeps the checkpoint it has
-            steps.append(_Step(depth, _nbytes(snapshot), 0 if node else 1, kind, snapshot, None))
+            steps.append(_Step(depth, snapshot_nbytes(snapshot), 0 if node else 1, kind, snapshot, None))
         return steps
 
     @staticmethod
@@ -317,7 +273,7 @@ class PrefixStore:
             if end < len(tokens):
                 piece, tail = tail.split(end - start)
             kind, snapshot = checkpoints.get(end, (None, None))
-            steps.append(_Step(end, piece.nbytes + _nbytes(snapshot), 1, kind, snapshot, piece))
+            steps.append(_Step(end, piece.nbytes + snapshot_nbytes(snapshot), 1, kind, snapshot, piece))
             start = end
         return steps
 
@@ -331,7 +287,7 @@ class PrefixStore:
                 free_bytes, free_nodes = free_bytes - step.nbytes, free_nodes - step.num_nodes
                 continue
             if allow_partial and step.segment is not None and step.num_nodes <= free_nodes:
-                head = _longest_head(step.segment, free_bytes)
+                head = longest_head(step.segment, free_bytes)
                 if head is not None:
                     depth = step.depth - step.segment.num_tokens + head.num_tokens
                     taken.append(_Step(depth, head.nbytes, step.num_nodes, None, None, head))
@@ -380,7 +336,7 @@ class PrefixStore:
         if not tokens:
             raise ValueError("cannot pin an empty sequence")
         ns = self._namespaces.get(namespace)
-        path, num_present = self._walk(ns.root, tokens) if ns else ([], 0)
+        path, num_present = walk(ns.root, tokens) if ns else ([], 0)
         if num_present < len(tokens):
             raise NotStored(f"only {num_present} of these {len(tokens)} tokens are stored "
                             f"in namespace {namespace!r}")
@@ -446,33 +402,6 @@ class PrefixStore:
 
     # ----- tree mechanics -----
 
-    @staticmethod
-    def _walk(root: Node, tokens: tuple) -> tuple[list[Node], int]:
-        """Follow tokens down: the nodes entered, and how many tokens agree.
-
-        The last node entered may agree on only part of its edge.
-        """
-        path, node, depth = [], root, 0
-        while depth < len(tokens):
-            child = node.children.get(tokens[depth])
-            if child is None:
-                break
-            path.append(child)
-            if tokens[depth:child.depth] == child.key:
-                node, depth = child, child.depth
-                continue
-            depth += _common_prefix_len(child.key, tokens, depth)
-            break
-        return path, depth
-
-    @staticmethod
-    def _touch(root: Node, tokens: tuple, now: float) -> None:
-        """Mark the nodes covering tokens (a stored prefix) as just used."""
-        node = root
-        while node.depth < len(tokens):
-            node = node.children[tokens[node.depth]]
-            node.last_access = now
-
     def _node_at(self, root: Node, tokens: tuple, depth: int) -> Node:
         """The node at exactly depth along tokens (stored that far), splitting an edge if needed."""
         node = root
@@ -495,7 +424,7 @@ class PrefixStore:
         node.parent, node.key, node.segment = upper, node.key[n:], tail
         self.budget.count_node(upper, +1)
         self.budget.resize(upper, head.nbytes)
-        self.budget.resize(node, tail.nbytes + _nbytes(node.snapshot))
+        self.budget.resize(node, tail.nbytes + snapshot_nbytes(node.snapshot))
         self.budget.reconsider(node)  # its size and start, hence its key, changed
         return upper
 
@@ -512,7 +441,7 @@ class PrefixStore:
     def stats(self) -> StoreStats:
         """Sizes and counters, globally and per namespace."""
         per_ns = {name: self._make_stats(ns.ledger, ns.lookups,
-                                         sum(1 for n in _descendants(ns.root) if not n.children))
+                                         sum(1 for n in descendants(ns.root) if not n.children))
                   for name, ns in self._namespaces.items()}
         num_sequences = sum(s.num_sequences for s in per_ns.values())
         return StoreStats(self._make_stats(self.budget.total, self._lookups, num_sequences), per_ns)
@@ -534,11 +463,11 @@ class PrefixStore:
             self.budget.check_node(ns.root, direct_pins[id(ns.root)], live_keys)
             require(ns.root.parent is None and ns.root.depth == 0 and ns.root.nbytes == 0,
                     f"{name!r}: bad root")
-            nodes = list(_descendants(ns.root))
+            nodes = list(descendants(ns.root))
             for node in [ns.root, *nodes]:
-                self._check_edges(node, name)
+                check_edges(node, name)
             for node in nodes:
-                self._check_payload(node, name)
+                check_payload(node, name)
                 self.budget.check_node(node, direct_pins[id(node)], live_keys)
             counted.append((name, ns.ledger, (len(nodes), sum(n.nbytes for n in nodes),
                                               sum(n.nbytes for n in nodes if n.pin_count))))
@@ -548,26 +477,8 @@ class PrefixStore:
         """id(node) -> pins ending exactly at it."""
         direct: Counter[int] = Counter()
         for tokens, count in ns.pins.items():
-            path, num_present = self._walk(ns.root, tokens)
+            path, num_present = walk(ns.root, tokens)
             require(count > 0 and num_present == len(tokens) and path[-1].depth == len(tokens),
                     f"{ns.name!r}: a pinned {len(tokens)}-token sequence lost its node")
             direct[id(path[-1])] += count
         return direct
-
-    @staticmethod
-    def _check_edges(node: Node, name: str) -> None:
-        for first, child in node.children.items():
-            where = f"{name!r}: child at depth {child.depth}"
-            require(child.parent is node and child.ledger is node.ledger, f"{where}: misfiled")
-            require(len(child.key) > 0 and child.key[0] == first, f"{where}: keyed {first}")
-            require(child.depth == node.depth + len(child.key), f"{where}: depth inconsistent")
-
-    @staticmethod
-    def _check_payload(node: Node, name: str) -> None:
-        where = f"{name!r}: node at depth {node.depth}"
-        require(node.segment.num_tokens == len(node.key),
-                f"{where}: segment holds {node.segment.num_tokens} tokens, edge {len(node.key)}")
-        require(node.nbytes == node.segment.nbytes + _nbytes(node.snapshot),
-                f"{where}: {node.nbytes} bytes recorded, payload has other")
-        require(node.kind in CHECKPOINT_KINDS or (node.kind is None and node.snapshot is None),
-                f"{where}: bad checkpoint {node.kind!r}")
