@@ -23,7 +23,7 @@ from .errors import DaemonUnavailable, PrefixdError
 from .sync_client import Client
 
 # Everything after these words belongs to the daemon's own parser (its --help included).
-_PASSTHROUGH = ("serve", "setup")
+_PASSTHROUGH = ("serve", "setup", "config")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +57,8 @@ def _make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, help="seconds to wait for each reply (default: forever)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="run the daemon: prefixd serve --model DIR ... (see prefixd serve --help)")
+    sub.add_parser("config", help="print the effective daemon configuration and where each value came from: "
+                                  "prefixd config [--json] [serve flags...]")
     sub.add_parser("setup", help="fetch and import SmolLM2: prefixd setup [--models-dir D]")
     imp = sub.add_parser("import-gguf", help="convert a llama GGUF file into a model directory")
     imp.add_argument("file")
@@ -111,6 +113,11 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
 def _delegate(args: argparse.Namespace, rest: list[str]) -> int:
     if args.socket:
         os.environ[SOCKET_ENV] = args.socket  # the daemon binds default_socket_path(), which reads it
+    if args.command == "config":  # the daemon's own --print-config, with the same flags as serve
+        from prefixd.daemon.main import main as daemon_main
+
+        form = "json" if "--json" in rest else "toml"
+        return daemon_main(["--print-config", form, *(arg for arg in rest if arg != "--json")]) or 0
     if args.command == "serve":
         from prefixd.daemon.main import main as daemon_main
     else:

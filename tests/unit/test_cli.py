@@ -107,3 +107,18 @@ def test_serve_and_setup_pass_everything_through():
         ["--socket", "/s", "setup"], ["--models-dir", "d"],
     )
     assert _split_passthrough(["generate", "serve"]) == (["generate", "serve"], [])
+
+
+def test_config_prints_the_effective_configuration_with_sources(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFIXD_MAX_ACTIVE", "4")
+    assert main(["config", "--prefill-chunk", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill_chunk = 256" in out and "flag --prefill-chunk" in out
+    assert "max_active = 4" in out and "env PREFIXD_MAX_ACTIVE" in out
+    assert main(["config", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["settings"]["max_active"] == {"value": 4, "source": "env PREFIXD_MAX_ACTIVE"}
+    monkeypatch.setenv("PREFIXD_MAX_ACTIVE", "0")
+    assert main(["config"]) == 2
+    assert "max_active" in capsys.readouterr().err
