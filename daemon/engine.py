@@ -9,6 +9,7 @@ the jobs' emit callbacks (events out).
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -154,6 +155,7 @@ class Engine:
                 hybrid=loaded.layout.is_hybrid,
                 cache_layers=loaded.layout.describe(),
                 fingerprint=loaded.fingerprint,
+                process_peak_rss_bytes=peak_rss_bytes(),
             )
             if not loaded.layout.is_supported:
                 log.warning("prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache")
@@ -227,10 +229,21 @@ class Engine:
                 "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
             },
             "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1)} for name, m in self.models.items()},
+            "process": {"peak_rss_bytes": peak_rss_bytes()},
         }
 
     def describe_models(self) -> list[dict[str, Any]]:
         return [m.describe(default=(name == self.default_model)) for name, m in self.models.items()]
+
+
+def peak_rss_bytes() -> int | None:
+    """The daemon process's peak resident memory so far (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def _plain(value: Any) -> Any:

@@ -179,6 +179,7 @@ def test_stats_has_request_counters_cache_and_model_maps(shared_daemon):
     assert STORE_STAT_KEYS <= set(after["cache"]["total"])
     assert STORE_STAT_KEYS <= set(after["cache"]["per_model"]["llama"])
     assert set(after["models"]) == {"llama", "lfm2"}
+    assert after["process"]["peak_rss_bytes"] > 50 << 20  # two models and MLX are loaded
     assert after["models"]["llama"]["prefill_tokens_per_s"] >= 0
 
 
