@@ -82,15 +82,35 @@ def start_prefill(seq: Sequence, store: Any, chunk_size: int) -> None:
     seq.prefill_started_at = time.monotonic()
 
 
-def prefill_step(seq: Sequence, store: Any) -> None:
+def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool) -> list[tuple[int, str]]:
+    """Take the stops the next forward pass covers off the front of ``plan``.
+
+    A hybrid model must end a pass at every stop: its conv/SSM state can only be
+    snapshotted where a pass ends. Attention KV can be cut at any depth, so for
+    other models one pass runs through every stop within a chunk of
+    ``position`` (message and chunk boundaries become labels only): on a CPU
+    where each pass at a long context costs a fixed 0.1 s or more, a chat turn's
+    tail then costs one pass instead of one per message.
+    """
+    taken = [plan.pop(0)]
+    if not is_hybrid:
+        while plan and plan[0][0] <= position + chunk_size:
+            taken.append(plan.pop(0))
+    return taken
+
+
+def prefill_step(seq: Sequence, store: Any, chunk_size: int) -> None:
     """Feed the next chunk of the prompt and store it; the caller checks seq.plan."""
-    depth, kind = seq.plan.pop(0)
+    layout = seq.loaded.layout
+    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid)
+    depth = stops[-1][0]
     started = time.monotonic()
     seq.loaded.model(mx.array(seq.tokens[seq.position : depth])[None], cache=seq.cache)
     mx.eval([c.state for c in seq.cache])
     seq.loaded.note_prefill_rate(depth - seq.position, time.monotonic() - started)
     seq.position = depth
-    seq.checkpoints[depth] = (kind, capture_snapshot(seq.cache, seq.loaded.layout))
+    for stop, kind in stops:  # only the last can carry a snapshot; hybrid passes take one stop each
+        seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == depth else None)
     store_progress(seq, store, seq.cache, seq.tokens[:depth])
 
 

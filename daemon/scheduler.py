@@ -169,7 +169,7 @@ class Scheduler:
             self._finish(seq, None, FINISH_CANCELLED)
             return
         if seq.plan:
-            prefill_step(seq, self.store)
+            prefill_step(seq, self.store, self.chunk_size)
         if seq.plan:
             self._prefill_turns.append(seq)
         elif seq.job.warm_only:

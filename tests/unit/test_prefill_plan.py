@@ -1,0 +1,52 @@
+"""Where a prefill stops: checkpoints for the store, and how many forward passes run.
+
+Pure planning, no model: the passes a plan costs are what a user feels as
+time-to-first-token on a warm chat turn.
+"""
+
+from __future__ import annotations
+
+from prefixd.daemon.loaded_model import EncodedPrompt, MessageSpan
+from prefixd.daemon.prefill import next_stops, plan_prefill
+
+
+def chat_prompt(num_tokens: int, message_ends: list[int]) -> EncodedPrompt:
+    spans = tuple(MessageSpan(i, "user" if i % 2 else "system", end) for i, end in enumerate(message_ends))
+    return EncodedPrompt(list(range(num_tokens)), None, spans)
+
+
+def passes(plan: list[tuple[int, str]], start: int, chunk: int, hybrid: bool) -> list[list[tuple[int, str]]]:
+    plan, position, out = list(plan), start, []
+    while plan:
+        stops = next_stops(plan, position, chunk, hybrid)
+        out.append(stops)
+        position = stops[-1][0]
+    return out
+
+
+def test_plan_has_absolute_chunks_message_ends_and_the_prompt_end():
+    plan = plan_prefill(0, 1299, 512, chat_prompt(1300, [600, 1100]))
+    assert plan == [(512, "chunk"), (600, "message"), (1024, "chunk"), (1100, "message"), (1299, "prompt-end")]
+    assert plan_prefill(1000, 1299, 512, chat_prompt(1300, [600, 1100]))[0] == (1024, "chunk")  # absolute multiples
+
+
+def test_a_warm_chat_tail_is_one_pass_on_an_attention_model_and_keeps_its_labels():
+    prompt = chat_prompt(1300, [600, 1100, 1200])
+    plan = plan_prefill(1050, 1299, 512, prompt)
+    (only,) = passes(plan, 1050, 512, hybrid=False)
+    assert only == [(1100, "message"), (1200, "message"), (1299, "prompt-end")]
+
+
+def test_a_hybrid_model_ends_a_pass_at_every_stop_for_its_snapshots():
+    prompt = chat_prompt(1300, [600, 1100, 1200])
+    assert [p[-1][0] for p in passes(plan_prefill(1050, 1299, 512, prompt), 1050, 512, hybrid=True)] == [1100, 1200, 1299]
+
+
+def test_no_pass_is_longer_than_a_chunk():
+    prompt = chat_prompt(3000, [100, 700, 2500])
+    for hybrid in (False, True):
+        position = 0
+        for stops in passes(plan_prefill(0, 2999, 512, prompt), 0, 512, hybrid):
+            assert 0 < stops[-1][0] - position <= 512
+            position = stops[-1][0]
+        assert position == 2999
