@@ -51,13 +51,18 @@ class BatchDecoder:
         return len(self._by_uid)
 
     def add(self, seq: Sequence) -> None:
-        """Join the batch: the cache holds tokens[:-1]; the last prompt token starts decoding."""
+        """Join the batch with the prompt tokens the cache does not hold yet.
+
+        Usually only the last one (prefill.py ran the rest); several sequences
+        added before one step have their longer tails prefilled together in
+        one batched pass by the generator.
+        """
         params = seq.params
         if params.seed is not None:
             mx.random.seed(params.seed)
         sampler = greedy if params.temperature == 0 else make_sampler(params.temperature, params.top_p if params.top_p < 1 else 0.0)
         (uid,) = self._generator.insert(
-            [seq.tokens[-1:]],
+            [seq.tokens[seq.position :]],
             max_tokens=[params.max_tokens],
             caches=[seq.cache],
             samplers=[sampler],

@@ -130,7 +130,8 @@ class Scheduler:
         # A sequence that just joined a decode batch gets its first token
         # from the next decode steps: run those before another (long) chunk.
         if not any(s.phase is Phase.DECODE and s.first_token_at is None for s in self.active):
-            self._prefill_one()
+            if not self._hand_over_short_tails():
+                self._prefill_one()
 
     def _wake_waiters(self) -> None:
         for seq in self.active:
@@ -164,6 +165,36 @@ class Scheduler:
         seq.num_prefill_skips = 0
         self._guard(seq, lambda: self._prefill_chunk(seq))
 
+    def _hand_over_short_tails(self) -> bool:
+        """Let the decode batch prefill several short prompt tails in one batched pass.
+
+        When requests arrive together on a warm prefix (sessions sharing a
+        system prompt), each has a short tail left; one pass each would make
+        the last wait for all the others. Attention-only models only: a
+        hybrid model needs a pass to end at each checkpoint for its snapshot.
+        A tail someone waits for stays on the normal path, so that it is
+        stored at once; handed-over tails are stored with the answer.
+        """
+        by_model: dict[str, list[Sequence]] = {}
+        awaited = {id(s.waiting_on) for s in self.active if s.phase is Phase.WAITING}
+        for seq in self._prefill_turns:
+            if (seq.phase is Phase.PREFILL and not seq.job.warm_only and not seq.loaded.layout.is_hybrid
+                    and len(seq.tokens) - seq.position <= self.chunk_size and id(seq) not in awaited):
+                by_model.setdefault(seq.loaded.name, []).append(seq)
+        groups = [group for group in by_model.values() if len(group) > 1]
+        for group in groups:
+            for seq in group:
+                self._prefill_turns.remove(seq)
+                self._guard(seq, lambda s=seq: self._join_decode(s, with_tail=True))
+        return bool(groups)
+
+    def _join_decode(self, seq: Sequence, with_tail: bool = False) -> None:
+        if with_tail:  # the prompt-end checkpoint is stored with the answer
+            seq.plan.clear()
+            seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)
+        seq.phase = Phase.DECODE
+        self._decoder_for(seq).add(seq)
+
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.is_cancelled:
             self._finish(seq, None, FINISH_CANCELLED)
@@ -175,8 +206,7 @@ class Scheduler:
         elif seq.job.warm_only:
             self._finish(seq, None, FINISH_STOP)
         else:
-            seq.phase = Phase.DECODE
-            self._decoder_for(seq).add(seq)
+            self._join_decode(seq)
 
     def _decode_step(self, decoder: BatchDecoder) -> None:
         try:

@@ -96,3 +96,20 @@ def test_a_short_request_is_not_stalled_behind_a_long_prefill(loaded):
     results = run_jobs([long_job, short_job], loaded, None, chunk_size=64)
     assert results[0]["usage"]["prompt_tokens"] > 5 * 64  # many chunks
     assert first_token_order[0] == "short", first_token_order
+
+
+def test_sessions_arriving_together_on_a_warm_prefix_match_solo_runs_and_store_their_prompts(loaded):
+    """Short tails on a stored prefix (attention models: prefilled in one batched pass) stay exact."""
+    shared = SOURCE_TEXT[:1500]
+    questions = ["\n# what is this?", "\n# who wrote the scanner, and why is it so long?", "\n# ok", "\n# tests?"]
+    store = make_store()
+    run_job(make_job(loaded, shared, 1), loaded, store, chunk_size=128)  # the shared prefix, stored
+    together = run_jobs([make_job(loaded, shared + q, 6) for q in questions], loaded, store, chunk_size=128)
+    for question, result in zip(questions, together):
+        alone = run_job(make_job(loaded, shared + question, 6, use_cache=False), loaded, None, chunk_size=128)
+        assert result["text"] == alone["text"], question
+        assert result["cache"]["reused_tokens"] > 0
+        assert result["cache"]["stored_tokens"] > 0  # prompt tail (and answer) went into the store
+    again = run_job(make_job(loaded, shared + questions[1], 6), loaded, store, chunk_size=128)
+    assert again["cache"]["hit"] == "exact" and again["text"] == together[1]["text"]
+    store.check_integrity()
