@@ -65,8 +65,9 @@ class DaemonProcess:
     """One daemon subprocess; ``start()`` returns once it answers ping."""
 
     def __init__(self, model_dirs: Iterable[Path], workdir: Path, extra_args: Iterable[str] = (),
-                 socket_path: Path | None = None):
+                 socket_path: Path | None = None, env: dict[str, str] | None = None):
         self.workdir = workdir
+        self.extra_env = dict(env or {})
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._socket_dir_to_remove: Path | None = None
         if socket_path is None:
@@ -96,7 +97,7 @@ class DaemonProcess:
     def start(self, timeout: float = 60.0) -> None:
         with open(self.log_path, "ab") as stderr, open(self.stdout_path, "ab") as stdout:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                         env=daemon_env(self.workdir), cwd=self.workdir)
+                                         env=daemon_env(self.workdir) | self.extra_env, cwd=self.workdir)
         deadline = time.monotonic() + timeout
         while not self.answers_ping():
             if self.proc.poll() is not None:
