@@ -32,14 +32,8 @@ BLAS = preload_blas()  # before anything imports mlx (the in-process floor, the 
 
 from harness import BenchError, Daemon, connect, timed_generate  # noqa: E402
 
-REPEAT_QUESTION = "Explain in one short paragraph what the module above is for."
-CHAT_QUESTIONS = [
-    "What does this module do?", "Which function is the main entry point?",
-    "How are errors reported to the caller?", "Name one class defined here and what it is for.",
-    "Is any of this code thread-safe?", "Which other standard modules does it import?",
-    "How would you test the first function?", "What would you rename, and why?",
-    "Give one example call of a public function.", "Summarize our conversation in one sentence.",
-]
+from workloads import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402 (the same questions as compare.py)
+
 WARM_REPEATS = 3
 REPEAT_MAX_TOKENS = 8
 CHAT_MAX_TOKENS = 16
