@@ -9,7 +9,7 @@ cache already holding all but the last prompt token.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -32,6 +32,23 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+def sampler_for(seq: Sequence) -> Callable[[mx.array], mx.array]:
+    """The sequence's own sampler (greedy unless it asked for a temperature), seeded once."""
+    if seq.sampler is None:
+        params = seq.params
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        seq.sampler = greedy if params.temperature == 0 else make_sampler(
+            params.temperature, params.top_p if params.top_p < 1 else 0.0)
+    return seq.sampler
+
+
+def sample_first(seq: Sequence, logits: mx.array) -> int:
+    """The first answer token from the prompt's last logits, as the batch would sample it."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return int(sampler_for(seq)(logprobs).item())
+
+
 class BatchDecoder:
     """The decode batch of one model."""
 
@@ -50,22 +67,19 @@ class BatchDecoder:
     def __len__(self) -> int:
         return len(self._by_uid)
 
-    def add(self, seq: Sequence) -> None:
-        """Join the batch with the prompt tokens the cache does not hold yet.
+    def add(self, seq: Sequence, inputs: list[int], max_tokens: int) -> None:
+        """Join the batch: ``inputs`` are the tokens the cache does not hold yet.
 
-        Usually only the last one (prefill.py ran the rest); several sequences
-        added before one step have their longer tails prefilled together in
-        one batched pass by the generator.
+        Usually the first answer token, sampled by the scheduler from the
+        prompt's last logits; or the rest of a short prompt, when several
+        sequences join before one step and the generator prefills their
+        tails together in one batched pass.
         """
-        params = seq.params
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        sampler = greedy if params.temperature == 0 else make_sampler(params.temperature, params.top_p if params.top_p < 1 else 0.0)
         (uid,) = self._generator.insert(
-            [seq.tokens[seq.position :]],
-            max_tokens=[params.max_tokens],
+            [inputs],
+            max_tokens=[max_tokens],
             caches=[seq.cache],
-            samplers=[sampler],
+            samplers=[sampler_for(seq)],
             stop_sequences=[self._stop],
         )
         seq.uid = uid

@@ -99,19 +99,38 @@ def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_h
     return taken
 
 
-def prefill_step(seq: Sequence, store: Any, chunk_size: int) -> None:
-    """Feed the next chunk of the prompt and store it; the caller checks seq.plan."""
+def prefill_step(seq: Sequence, store: Any, chunk_size: int) -> mx.array | None:
+    """Feed the next chunk of the prompt and store it; the caller checks seq.plan.
+
+    The plan stops one token short of the prompt's end (the exact-hit
+    checkpoint). On an attention-only model the last pass takes that token
+    along and returns its logits, so the first answer token costs no pass of
+    its own; a hybrid model needs the pass to end at the checkpoint for its
+    snapshot, and runs the last token in ``last_token_logits``.
+    """
     layout = seq.loaded.layout
     stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid)
     depth = stops[-1][0]
+    takes_last = not seq.plan and not seq.job.warm_only and not layout.is_hybrid and depth == len(seq.tokens) - 1
+    run_to = depth + 1 if takes_last else depth
     started = time.monotonic()
-    seq.loaded.model(mx.array(seq.tokens[seq.position : depth])[None], cache=seq.cache)
-    mx.eval([c.state for c in seq.cache])
-    seq.loaded.note_prefill_rate(depth - seq.position, time.monotonic() - started)
-    seq.position = depth
+    logits = seq.loaded.model(mx.array(seq.tokens[seq.position : run_to])[None], cache=seq.cache)
+    last = logits[:, -1, :] if takes_last else None
+    mx.eval([c.state for c in seq.cache] + ([last] if takes_last else []))
+    seq.loaded.note_prefill_rate(run_to - seq.position, time.monotonic() - started)
+    seq.position = run_to
     for stop, kind in stops:  # only the last can carry a snapshot; hybrid passes take one stop each
-        seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == depth else None)
+        seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == seq.position else None)
     store_progress(seq, store, seq.cache, seq.tokens[:depth])
+    return last
+
+
+def last_token_logits(seq: Sequence) -> mx.array:
+    """Run what is left of the prompt (its last token, usually) and return the last position's logits."""
+    logits = seq.loaded.model(mx.array(seq.tokens[seq.position :])[None], cache=seq.cache)[:, -1, :]
+    mx.eval(logits)
+    seq.position = len(seq.tokens)
+    return logits
 
 
 def store_progress(seq: Sequence, store: Any, cache: list[Any], tokens: list[int]) -> None:

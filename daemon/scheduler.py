@@ -21,10 +21,10 @@ import structlog
 
 from ..protocol.errors import ErrorCode, RpcError
 from ..protocol.methods import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from .batch_decoder import BatchDecoder
+from .batch_decoder import BatchDecoder, sample_first
 from .jobs import FAILED, GenerateJob
 from .loaded_model import LoadedModel
-from .prefill import make_sequence, prefill_step, start_prefill, store_progress
+from .prefill import last_token_logits, make_sequence, prefill_step, start_prefill, store_progress
 from .sequence import Phase, Sequence
 from .kv_payloads import capture_snapshot
 
@@ -193,20 +193,36 @@ class Scheduler:
             seq.plan.clear()
             seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)
         seq.phase = Phase.DECODE
-        self._decoder_for(seq).add(seq)
+        self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.is_cancelled:
             self._finish(seq, None, FINISH_CANCELLED)
             return
-        if seq.plan:
-            prefill_step(seq, self.store, self.chunk_size)
+        logits = prefill_step(seq, self.store, self.chunk_size) if seq.plan else None
         if seq.plan:
             self._prefill_turns.append(seq)
         elif seq.job.warm_only:
             self._finish(seq, None, FINISH_STOP)
         else:
-            self._join_decode(seq)
+            self._start_answer(seq, logits)
+
+    def _start_answer(self, seq: Sequence, logits: Any) -> None:
+        """Sample the first token from the prompt's last logits here, then hand the rest to the batch.
+
+        The first token is out as soon as the prompt is done: no wait for the
+        next batch step, and no second pass at a long context (on an attention
+        model the last prefill pass already gave these logits).
+        """
+        if logits is None:
+            logits = last_token_logits(seq)
+        token = sample_first(seq, logits)
+        stopped = seq.on_token(token)
+        if stopped or token in seq.loaded.eos_token_ids or seq.params.max_tokens <= 1:
+            self._finish(seq, seq.cache, FINISH_STOP if stopped or token in seq.loaded.eos_token_ids else FINISH_LENGTH)
+            return
+        seq.phase = Phase.DECODE
+        self._decoder_for(seq).add(seq, [token], seq.params.max_tokens - 1)
 
     def _decode_step(self, decoder: BatchDecoder) -> None:
         try:

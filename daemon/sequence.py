@@ -44,6 +44,7 @@ class Sequence:
     checkpoints: dict[int, tuple[str, Any]] = field(default_factory=dict)  # not yet handed to the store
     waiting_on: "Sequence | None" = None
     uid: int | None = None  # row id in the decode batch
+    sampler: Any = None  # made once per sequence (batch_decoder.sampler_for)
     generated: list[int] = field(default_factory=list)  # sampled tokens, eos included
     pieces: list[str] = field(default_factory=list)
     num_chunks: int = 0
