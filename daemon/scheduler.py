@@ -30,6 +30,8 @@ from .kv_payloads import capture_snapshot
 
 log = structlog.get_logger("prefixd.scheduler")
 
+MIN_BATCHED_TAILS = 3  # short prompt tails that arrive together and are prefilled in one batched pass
+
 
 class Scheduler:
     def __init__(
@@ -127,8 +129,8 @@ class Scheduler:
         for decoder in list(self._decoders.values()):
             if len(decoder):
                 self._decode_step(decoder)
-        # A sequence that just joined a decode batch gets its first token
-        # from the next decode steps: run those before another (long) chunk.
+        # Tails handed to the batch get their first tokens from the next
+        # decode steps: run those before another (long) chunk.
         if not any(s.phase is Phase.DECODE and s.first_token_at is None for s in self.active):
             if not self._hand_over_short_tails():
                 self._prefill_one()
@@ -170,7 +172,9 @@ class Scheduler:
 
         When requests arrive together on a warm prefix (sessions sharing a
         system prompt), each has a short tail left; one pass each would make
-        the last wait for all the others. Attention-only models only: a
+        the last wait for all the others. With fewer than MIN_BATCHED_TAILS
+        one pass each is as quick (the first gets its token sooner, and the
+        batch needs two or three steps to a first token). Attention-only models only: a
         hybrid model needs a pass to end at each checkpoint for its snapshot.
         A tail someone waits for stays on the normal path, so that it is
         stored at once; handed-over tails are stored with the answer.
@@ -181,17 +185,16 @@ class Scheduler:
             if (seq.phase is Phase.PREFILL and not seq.job.warm_only and not seq.loaded.layout.is_hybrid
                     and len(seq.tokens) - seq.position <= self.chunk_size and id(seq) not in awaited):
                 by_model.setdefault(seq.loaded.name, []).append(seq)
-        groups = [group for group in by_model.values() if len(group) > 1]
+        groups = [group for group in by_model.values() if len(group) >= MIN_BATCHED_TAILS]
         for group in groups:
             for seq in group:
                 self._prefill_turns.remove(seq)
-                self._guard(seq, lambda s=seq: self._join_decode(s, with_tail=True))
+                self._guard(seq, lambda s=seq: self._hand_tail_to_batch(s))
         return bool(groups)
 
-    def _join_decode(self, seq: Sequence, with_tail: bool = False) -> None:
-        if with_tail:  # the prompt-end checkpoint is stored with the answer
-            seq.plan.clear()
-            seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)
+    def _hand_tail_to_batch(self, seq: Sequence) -> None:
+        seq.plan.clear()
+        seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
         seq.phase = Phase.DECODE
         self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
 
