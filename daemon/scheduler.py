@@ -220,9 +220,9 @@ class Scheduler:
         if logits is None:
             logits = last_token_logits(seq)
         token = sample_first(seq, logits)
-        stopped = seq.on_token(token)
-        if stopped or token in seq.loaded.eos_token_ids or seq.params.max_tokens <= 1:
-            self._finish(seq, seq.cache, FINISH_STOP if stopped or token in seq.loaded.eos_token_ids else FINISH_LENGTH)
+        stopped = seq.on_token(token)  # True on an end token or a stop string
+        if stopped or seq.params.max_tokens <= 1:
+            self._finish(seq, seq.cache, FINISH_STOP if stopped else FINISH_LENGTH)
             return
         seq.phase = Phase.DECODE
         self._decoder_for(seq).add(seq, [token], seq.params.max_tokens - 1)
