@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from prefixd.daemon.blas import preload_blas  # noqa: E402
+from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 
 preload_blas()
 
@@ -107,7 +107,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.smollm2 is None:
-        from prefixd.daemon.model_setup import ensure_smollm2
+        from prefixd.daemon.models.model_setup import ensure_smollm2
 
         args.smollm2 = ensure_smollm2()
     chunk = 512

@@ -26,12 +26,12 @@ class BenchError(RuntimeError):
 
 
 class Daemon:
-    """``python -m prefixd.daemon.main`` on a socket in ``workdir``; always stopped by ``stop()``."""
+    """``python -m prefixd.daemon`` on a socket in ``workdir``; always stopped by ``stop()``."""
 
     def __init__(self, model_dir: Path, workdir: Path, extra_args: list[str] = ()):
         self.socket_path = workdir / "prefixd.sock"
         self.log_path = workdir / f"daemon-{Path(model_dir).name}.log"
-        self.args = [sys.executable, "-m", "prefixd.daemon.main", "--model", str(model_dir),
+        self.args = [sys.executable, "-m", "prefixd.daemon", "--model", str(model_dir),
                      "--socket", str(self.socket_path), "--log-format", "json", *extra_args]
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         self.proc: subprocess.Popen | None = None

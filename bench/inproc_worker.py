@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from prefixd.daemon.blas import preload_blas  # noqa: E402
+from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()  # must precede `import mlx.core` (the BLAS trap)
 

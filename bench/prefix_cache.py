@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests.support.tiny_models
 
-from prefixd.daemon.blas import preload_blas  # noqa: E402
+from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()  # before anything imports mlx (the in-process floor, the tiny-model build)
 
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="prefixd-bench-") as tmp:
             for name in wanted:
                 if name == "smollm2":
-                    from prefixd.daemon.model_setup import ensure_smollm2
+                    from prefixd.daemon.models.model_setup import ensure_smollm2
 
                     model_dir = args.smollm2 or ensure_smollm2()
                     args.floor = True

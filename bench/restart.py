@@ -154,7 +154,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the raw replies and figures here")
     args = parser.parse_args()
     if args.smollm2 is None:
-        from prefixd.daemon.model_setup import ensure_smollm2
+        from prefixd.daemon.models.model_setup import ensure_smollm2
 
         args.smollm2 = ensure_smollm2()
     store_mib = args.store_mib or (256 if args.quick else 1024)

@@ -114,19 +114,19 @@ def _delegate(args: argparse.Namespace, rest: list[str]) -> int:
     if args.socket:
         os.environ[SOCKET_ENV] = args.socket  # the daemon binds default_socket_path(), which reads it
     if args.command == "config":  # the daemon's own --print-config, with the same flags as serve
-        from prefixd.daemon.main import main as daemon_main
+        from prefixd.daemon.service.main import main as daemon_main
 
         form = "json" if "--json" in rest else "toml"
         return daemon_main(["--print-config", form, *(arg for arg in rest if arg != "--json")]) or 0
     if args.command == "serve":
-        from prefixd.daemon.main import main as daemon_main
+        from prefixd.daemon.service.main import main as daemon_main
     else:
-        from prefixd.daemon.model_setup import main as daemon_main
+        from prefixd.daemon.models.model_setup import main as daemon_main
     return daemon_main(rest) or 0
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
-    from prefixd.daemon.gguf_import import import_gguf
+    from prefixd.daemon.models.gguf_import import import_gguf
 
     try:
         out = import_gguf(args.file, args.dir, dtype=args.dtype)

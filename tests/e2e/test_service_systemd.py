@@ -79,7 +79,7 @@ def activated(tmp_path, tiny_llama_dir):
         # systemd-socket-activate passes only HOME, PATH, TERM and what -E names.
         "-E", f"NOTIFY_SOCKET={notify.path}", "-E", "WATCHDOG_USEC=1000000",
         "-E", "HF_HUB_OFFLINE=1", "-E", "TRANSFORMERS_VERBOSITY=error", "-E", f"XDG_CONFIG_HOME={tmp_path}",
-        sys.executable, "-m", "prefixd.daemon.main", "--model", str(tiny_llama_dir),
+        sys.executable, "-m", "prefixd.daemon", "--model", str(tiny_llama_dir),
         "--log-format", "json", "--status-interval", "0.5",
     ]
     with open(log_path, "wb") as log:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.daemon.generation import run_job, run_jobs
-from prefixd.daemon.jobs import CHUNK, GenerateJob
-from prefixd.daemon.loaded_model import load_model
-from prefixd.daemon.prefix_store import PrefixStore
+from prefixd.daemon.engine.inline_runner import run_inline, run_one_inline
+from prefixd.daemon.engine.jobs import CHUNK, GenerateJob
+from prefixd.daemon.models.loaded_model import load_model
+from prefixd.daemon.cache import PrefixStore
 from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
 
 SOURCE_TEXT = __import__("inspect").getsource(__import__("json.decoder", fromlist=["x"]))
@@ -47,9 +47,9 @@ def test_concurrent_greedy_requests_match_solo_runs(loaded):
     ]
     budgets = [12, 7, 15, 10, 9, 11]
     store = make_store()
-    together = run_jobs([make_job(loaded, p, n) for p, n in zip(prompts, budgets)], loaded, store, chunk_size=128)
+    together = run_inline([make_job(loaded, p, n) for p, n in zip(prompts, budgets)], loaded, store, chunk_size=128)
     for prompt, budget, result in zip(prompts, budgets, together):
-        alone = run_job(make_job(loaded, prompt, budget, use_cache=False), loaded, None, chunk_size=128)
+        alone = run_one_inline(make_job(loaded, prompt, budget, use_cache=False), loaded, None, chunk_size=128)
         assert result["text"] == alone["text"], prompt[:40]
         assert result["usage"]["completion_tokens"] <= budget
     # The prompts sharing the long prefix computed it once: someone reused it.
@@ -60,7 +60,7 @@ def test_concurrent_greedy_requests_match_solo_runs(loaded):
 def test_a_request_sharing_an_inflight_prefix_waits_and_reuses_it(loaded):
     shared = SOURCE_TEXT[:2500]
     store = make_store()
-    first, second = run_jobs(
+    first, second = run_inline(
         [make_job(loaded, shared + "\n# first", 4), make_job(loaded, shared + "\n# second", 4)],
         loaded,
         store,
@@ -75,7 +75,7 @@ def test_streamed_chunks_of_a_batched_request_add_up_to_its_text(loaded):
     events: list = []
     jobs = [make_job(loaded, SOURCE_TEXT[:400], 12, events=events), make_job(loaded, SOURCE_TEXT[400:800], 12)]
     jobs[0].params = GenerateParams(prompt=jobs[0].params.prompt, max_tokens=12, stream=True)
-    result = run_jobs(jobs, loaded, make_store())[0]
+    result = run_inline(jobs, loaded, make_store())[0]
     assert "".join(payload["text"] for kind, payload in events if kind == CHUNK) == result["text"]
 
 
@@ -93,7 +93,7 @@ def test_a_short_request_is_not_stalled_behind_a_long_prefill(loaded):
 
     long_job = job("long", SOURCE_TEXT[:6000])
     short_job = job("short", "Hello there.")
-    results = run_jobs([long_job, short_job], loaded, None, chunk_size=64)
+    results = run_inline([long_job, short_job], loaded, None, chunk_size=64)
     assert results[0]["usage"]["prompt_tokens"] > 5 * 64  # many chunks
     assert first_token_order[0] == "short", first_token_order
 
@@ -103,13 +103,13 @@ def test_sessions_arriving_together_on_a_warm_prefix_match_solo_runs_and_store_t
     shared = SOURCE_TEXT[:1500]
     questions = ["\n# what is this?", "\n# who wrote the scanner, and why is it so long?", "\n# ok", "\n# tests?"]
     store = make_store()
-    run_job(make_job(loaded, shared, 1), loaded, store, chunk_size=128)  # the shared prefix, stored
-    together = run_jobs([make_job(loaded, shared + q, 6) for q in questions], loaded, store, chunk_size=128)
+    run_one_inline(make_job(loaded, shared, 1), loaded, store, chunk_size=128)  # the shared prefix, stored
+    together = run_inline([make_job(loaded, shared + q, 6) for q in questions], loaded, store, chunk_size=128)
     for question, result in zip(questions, together):
-        alone = run_job(make_job(loaded, shared + question, 6, use_cache=False), loaded, None, chunk_size=128)
+        alone = run_one_inline(make_job(loaded, shared + question, 6, use_cache=False), loaded, None, chunk_size=128)
         assert result["text"] == alone["text"], question
         assert result["cache"]["reused_tokens"] > 0
         assert result["cache"]["stored_tokens"] > 0  # prompt tail (and answer) went into the store
-    again = run_job(make_job(loaded, shared + questions[1], 6), loaded, store, chunk_size=128)
+    again = run_one_inline(make_job(loaded, shared + questions[1], 6), loaded, store, chunk_size=128)
     assert again["cache"]["hit"] == "exact" and again["text"] == together[1]["text"]
     store.check_integrity()

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-from prefixd.daemon.generation import run_job
-from prefixd.daemon.jobs import GenerateJob
-from prefixd.daemon.kv_payloads import fork_cache
-from prefixd.daemon.loaded_model import load_model
-from prefixd.daemon.prefix_store import PrefixStore
+from prefixd.daemon.engine.inline_runner import run_one_inline
+from prefixd.daemon.engine.jobs import GenerateJob
+from prefixd.daemon.kv.fork import fork_cache
+from prefixd.daemon.models.loaded_model import load_model
+from prefixd.daemon.cache import PrefixStore
 from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
 
 RELATIVE_TOLERANCE = 1e-4
@@ -43,7 +43,7 @@ def run(loaded, store, *, prompt=None, messages=None, tokens=None, max_tokens=8,
         cache=CacheOptions(use=use, store=use),
     )
     job = GenerateJob("test", 1, params, emit=lambda kind, payload: None, warm_only=warm)
-    return run_job(job, loaded, store, chunk)
+    return run_one_inline(job, loaded, store, chunk)
 
 
 def prompt_tokens(loaded, num_tokens: int) -> list[int]:

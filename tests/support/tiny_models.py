@@ -17,7 +17,7 @@ written is byte-identical across runs on the same Python minor version and
 mlx version (the corpus digest is recorded in ``tiny_model.json``).
 
 This module imports mlx only inside the functions that need it, so callers
-can run ``prefixd.daemon.blas.preload_blas()`` first (float32 is ~50x slower
+can run ``prefixd.daemon.models.blas.preload_blas()`` first (float32 is ~50x slower
 on the bundled reference BLAS). Note build_tiny_model() reseeds MLX's global
 PRNG.
 """

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.daemon import main as daemon_main
-from prefixd.daemon.config_file import NOT_CONFIG_KEYS, OPTIONS, ConfigError, explicit_flags, load_config
+from prefixd.daemon.service import main as daemon_main
+from prefixd.daemon.service.config import NOT_CONFIG_KEYS, OPTIONS, ConfigError, explicit_flags, load_config
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_printed_configuration_is_a_config_file_that_reads_back(env, tmp_path):
 
 
 def test_every_serve_flag_is_a_setting():
-    """A new flag must be added to config_file.OPTIONS, or it cannot be set in the file or environment."""
+    """A new flag must be added to config.OPTIONS, or it cannot be set in the file or environment."""
     dests = {action.dest for action in daemon_main.build_parser()._actions}
     assert dests - set(NOT_CONFIG_KEYS) == set(OPTIONS)
     for key in OPTIONS:

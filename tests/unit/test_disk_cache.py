@@ -10,10 +10,12 @@ import mlx.core as mx
 import pytest
 from structlog.testing import capture_logs
 
-from prefixd.daemon.disk_cache import MAGIC, BadEntry, DiskCache, read_payload
-from prefixd.daemon.disk_entries import DiskKVSegment, export_entries, import_entries, match_source
-from prefixd.daemon.kv_payloads import CacheLayout, KVSegment, StateSnapshot
-from prefixd.daemon.prefix_store import PrefixStore
+from prefixd.daemon.persist.cache_dir import DiskCache
+from prefixd.daemon.persist.format import MAGIC, BadEntry, read_payload
+from prefixd.daemon.persist.entries import DiskKVSegment, export_entries, import_entries
+from prefixd.daemon.kv.layout import CacheLayout
+from prefixd.daemon.kv.segments import KVSegment, StateSnapshot, segments_source
+from prefixd.daemon.cache import PrefixStore
 
 FP = "f00dfacef00dface"
 MLX = "0.0-test"
@@ -88,12 +90,12 @@ def test_a_restart_finds_the_same_prefixes_bit_for_bit(disk):
         match = restarted.match(FP, tokens, max_length=len(tokens))
         assert match.length == len(tokens)
         assert mx.array_equal(kv_of(match), kv).item()
-        assert match_source(match) == "disk"
+        assert segments_source(match.segments) == "disk"
     assert restarted.match(FP, CHAT_A).checkpoint_kind in ("prompt-end", "prefix")
     assert restarted.match(FP, CHAT_A[:41], max_length=40).checkpoint_kind == "message"
     fresh = make_store()
     fresh.insert(FP, CHAT_A, 0, segment(CHAT_A), {})
-    assert match_source(fresh.match(FP, CHAT_A)) == "memory"
+    assert segments_source(fresh.match(FP, CHAT_A).segments) == "memory"
 
 
 def test_hybrid_snapshots_come_back(disk):

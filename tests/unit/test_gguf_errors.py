@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from prefixd.daemon.gguf_import import GGUFImportError, import_gguf
+from prefixd.daemon.models.gguf_import import GGUFImportError, import_gguf
 
 GGML_F32, GGML_Q4_K = 0, 12
 

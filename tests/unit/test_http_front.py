@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from prefixd.daemon.http_front import start_http_front
-from prefixd.daemon.peer_auth import PeerPolicy
+from prefixd.daemon.front.http_front import start_http_front
+from prefixd.daemon.front.peer_auth import PeerPolicy
 
 
 def fake_handlers():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.daemon import launchd, listener, systemd
+from prefixd.daemon.service import launchd, socket_activation, systemd
 
 REPO = Path(__file__).resolve().parents[2]
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -86,7 +86,7 @@ def test_the_daemon_serves_the_socket_launchd_passes(tmp_path, monkeypatch):
     monkeypatch.setattr(launchd.sys, "platform", "darwin")
     monkeypatch.setattr(launchd, "_load_libsystem", lambda: (stand_in.activate, stand_in.free))
     monkeypatch.setattr(systemd, "listen_fds_with_names", lambda: [])
-    sock, origin = listener.take_inherited_socket()
+    sock, origin = socket_activation.take_inherited_socket()
     with sock:
         assert origin == "launchd"
         assert sock.getsockname() == str(tmp_path / "s.sock")

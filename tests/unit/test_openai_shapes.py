@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.daemon import openai_shapes as shapes
-from prefixd.daemon.front_options import is_loopback, parse_http_address
+from prefixd.daemon.front import openai_shapes as shapes
+from prefixd.daemon.front.http_options import is_loopback, parse_http_address
 from prefixd.protocol import ErrorCode, RpcError
 
 

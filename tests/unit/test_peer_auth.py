@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from prefixd.daemon.connection import Connection
-from prefixd.daemon.peer_auth import UNKNOWN, PeerCredentials, PeerPolicy, peer_credentials
+from prefixd.daemon.front.connection import Connection
+from prefixd.daemon.front.peer_auth import UNKNOWN, PeerCredentials, PeerPolicy, peer_credentials
 from prefixd.protocol import Request, Response, StreamDecoder, encode
 
 NOBODY = 65534

@@ -6,8 +6,8 @@ time-to-first-token on a warm chat turn.
 
 from __future__ import annotations
 
-from prefixd.daemon.loaded_model import EncodedPrompt, MessageSpan
-from prefixd.daemon.prefill import next_stops, plan_prefill
+from prefixd.daemon.models.prompt_encoding import EncodedPrompt, MessageSpan
+from prefixd.daemon.engine.prefill import next_stops, plan_prefill
 
 
 def chat_prompt(num_tokens: int, message_ends: list[int]) -> EncodedPrompt:

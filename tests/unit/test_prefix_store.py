@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from prefixd.daemon.eviction import LruPolicy
-from prefixd.daemon.prefix_store import NotStored, PinBudgetExceeded, PrefixStore
+from prefixd.daemon.cache.eviction import LruPolicy
+from prefixd.daemon.cache import NotStored, PinBudgetExceeded, PrefixStore
 
 BPT = 10  # bytes per token of a fake segment
 

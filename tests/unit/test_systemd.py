@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.daemon import systemd
-from prefixd.daemon.listener import InheritedSocketError, adopt_listening_socket
-from prefixd.daemon.server import status_line
+from prefixd.daemon.service import systemd
+from prefixd.daemon.service.socket_activation import InheritedSocketError, adopt_listening_socket
+from prefixd.daemon.service.server import status_line
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Runs in a child process, because socket activation puts the socket on fd 3.
 _CHILD = """
 import fcntl, json, os, socket, sys
-from prefixd.daemon import systemd
-from prefixd.daemon.listener import take_inherited_socket
+from prefixd.daemon.service import systemd
+from prefixd.daemon.service.socket_activation import take_inherited_socket
 path, listen_pid, names = sys.argv[1], sys.argv[2], sys.argv[3]
 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 server.bind(path)

@@ -1,0 +1,110 @@
+"""Continuous batching of decode steps, one batch per model, on mlx-lm's BatchGenerator.
+
+Every step advances all of a model's decoding sequences together, each
+with its own sampler and token budget; sequences join after their prefill
+and leave when they finish, between steps. The prompt is prefilled by
+prefill.py (with checkpoints and storing), so a sequence joins with its
+cache already holding all but the last prompt token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import make_sampler
+
+from .sequence_state import SequenceState
+
+# Generous ceilings: admission (scheduler.py) is what limits the batch.
+MAX_BATCH = 64
+
+
+class StepEvent(NamedTuple):
+    seq: SequenceState
+    token: int
+    done_by_batch: bool  # eos or max_tokens reached inside the batch
+    cache: list[Any] | None  # the sequence's cache when it left the batch
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def sampler_for(seq: SequenceState) -> Callable[[mx.array], mx.array]:
+    """The sequence's own sampler (greedy unless it asked for a temperature), seeded once."""
+    if seq.sampler is None:
+        params = seq.params
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        seq.sampler = greedy if params.temperature == 0 else make_sampler(
+            params.temperature, params.top_p if params.top_p < 1 else 0.0)
+    return seq.sampler
+
+
+def sample_first(seq: SequenceState, logits: mx.array) -> int:
+    """The first answer token from the prompt's last logits, as the batch would sample it."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return int(sampler_for(seq)(logprobs).item())
+
+
+class BatchDecoder:
+    """The decode batch of one model."""
+
+    def __init__(self, model: Any, eos_token_ids: frozenset[int]):
+        # A stream made on this (the engine) thread: MLX streams are thread-bound.
+        self._generator = BatchGenerator(
+            model,
+            sampler=greedy,
+            completion_batch_size=MAX_BATCH,
+            prefill_batch_size=MAX_BATCH,
+            stream=mx.new_stream(mx.default_device()),
+        )
+        self._stop = StopSequences([[token] for token in sorted(eos_token_ids)])
+        self._by_uid: dict[int, SequenceState] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_uid)
+
+    def add(self, seq: SequenceState, inputs: list[int], max_tokens: int) -> None:
+        """Join the batch: ``inputs`` are the tokens the cache does not hold yet.
+
+        Usually the first answer token, sampled by the scheduler from the
+        prompt's last logits; or the rest of a short prompt, when several
+        sequences join before one step and the generator prefills their
+        tails together in one batched pass.
+        """
+        (uid,) = self._generator.insert(
+            [inputs],
+            max_tokens=[max_tokens],
+            caches=[seq.cache],
+            samplers=[sampler_for(seq)],
+            stop_sequences=[self._stop],
+        )
+        seq.uid = uid
+        seq.cache = None  # the batch owns it now
+        self._by_uid[uid] = seq
+
+    def step(self) -> list[StepEvent]:
+        """One decode step for every sequence in the batch."""
+        events = []
+        _, responses = self._generator.next()
+        for response in responses:
+            seq = self._by_uid.get(response.uid)
+            if seq is None:
+                continue
+            finished = response.finish_reason is not None
+            if finished:
+                del self._by_uid[response.uid]
+            events.append(StepEvent(seq, int(response.token), finished, response.prompt_cache))
+        return events
+
+    def remove(self, seq: SequenceState) -> list[Any] | None:
+        """Take a sequence out of the batch (stop string, cancel); returns its cache."""
+        if seq.uid not in self._by_uid:
+            return None
+        del self._by_uid[seq.uid]
+        caches = self._generator.remove([seq.uid], return_prompt_caches=True)
+        entry = caches.get(seq.uid)
+        return entry[0] if entry else None

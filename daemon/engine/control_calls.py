@@ -1,0 +1,83 @@
+"""The engine's quick calls (tokenize, pin, stats, models), run on the engine thread between steps.
+
+The front reaches them through ``engine.call(engine.controls.<name>)``: each
+reads or changes engine state that only the engine thread may touch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.methods import PromptInput
+from ..cache import NotStored, PinBudgetExceeded
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class ControlCalls:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def tokenize(self, prompt: PromptInput, model: str | None) -> dict[str, Any]:
+        loaded = self.engine.model_for(model)
+        encoded = loaded.encode(prompt)
+        return {"tokens": encoded.tokens, "num_tokens": len(encoded.tokens), "model": loaded.name, "text": encoded.text}
+
+    def pin(self, prompt: PromptInput, model: str | None, pinned: bool) -> dict[str, Any]:
+        loaded = self.engine.model_for(model)
+        tokens = loaded.encode(prompt).tokens
+        # The store keeps a prompt's first len-1 tokens (the last one always runs).
+        tokens = tokens[:-1] if len(tokens) > 1 else tokens
+        store = self.engine.store
+        try:
+            result = store.pin(loaded.fingerprint, tokens) if pinned else store.unpin(loaded.fingerprint, tokens)
+        except NotStored as exc:
+            hint = "send it with cache.warm first" if pinned else "it is not pinned"
+            raise RpcError(ErrorCode.NOT_CACHED, f"{exc}; {hint}") from None
+        except PinBudgetExceeded as exc:
+            raise RpcError(ErrorCode.PIN_BUDGET_EXCEEDED, str(exc)) from None
+        return {"pinned_tokens": result.pinned_tokens, "pinned_bytes": result.pinned_bytes}
+
+    def stats(self) -> dict[str, Any]:
+        engine = self.engine
+        store_stats = engine.store.stats()
+        names = {m.fingerprint: name for name, m in engine.models.items()}
+        return {
+            "requests": {**engine.scheduler.counters, **engine.scheduler.counts(), **engine.inbox.counts()},
+            "cache": {
+                "total": _plain(store_stats.total),
+                "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
+            },
+            "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1)} for name, m in engine.models.items()},
+            "process": {"peak_rss_bytes": peak_rss_bytes()},
+        }
+
+    def describe_models(self) -> list[dict[str, Any]]:
+        engine = self.engine
+        return [m.describe(default=(name == engine.default_model)) for name, m in engine.models.items()]
+
+
+def peak_rss_bytes() -> int | None:
+    """The daemon process's peak resident memory so far (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def _plain(value: Any) -> Any:
+    """NamedTuples and dataclasses as plain maps, for msgpack."""
+    if hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _plain(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

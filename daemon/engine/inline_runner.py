@@ -1,0 +1,55 @@
+"""Run jobs to completion on the calling thread, through the engine's own scheduler.
+
+For tests, benchmarks and tools that want replies without a daemon: the same
+admission, prefill, batching and storing code the engine runs, with the
+calling thread standing in for the engine thread. Each job's own ``emit``
+still receives its stream chunks; the final results are returned instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..cache import PrefixStore
+from ..models.loaded_model import LoadedModel
+from .jobs import DONE, FAILED, GenerateJob
+from .scheduler import Scheduler
+
+
+def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore | None, chunk_size: int = 512,
+               kv_budget_bytes: int = 8 << 30) -> list[dict]:
+    """Run ``jobs`` together (continuous batching) and return their final results in order.
+
+    A job that fails raises its RpcError here.
+    """
+    finals: dict[int, tuple[str, Any]] = {}
+
+    def collecting(job: GenerateJob) -> GenerateJob:
+        def emit(kind: str, payload: Any) -> None:
+            if kind in (DONE, FAILED):
+                finals[job.job_id] = (kind, payload)
+            else:
+                job.emit(kind, payload)
+
+        return dataclasses.replace(job, emit=emit)  # same id and cancel flag, results collected here
+
+    scheduler = Scheduler(store, chunk_size, max_active=len(jobs), kv_budget_bytes=kv_budget_bytes,
+                          resolve_model=lambda _: loaded)
+    for job in jobs:
+        admitted = scheduler.admit(collecting(job))
+        assert admitted, "the KV budget is too small for these jobs"
+    while scheduler.has_work:
+        scheduler.step()
+    results = []
+    for job in jobs:
+        kind, payload = finals[job.job_id]
+        if kind == FAILED:
+            raise payload
+        results.append(payload)
+    return results
+
+
+def run_one_inline(job: GenerateJob, loaded: LoadedModel, store: PrefixStore | None, chunk_size: int = 512) -> dict:
+    """Run one job alone and return its final result."""
+    return run_inline([job], loaded, store, chunk_size)[0]

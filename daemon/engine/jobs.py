@@ -1,0 +1,46 @@
+"""What the front hands the engine, and what comes back.
+
+The front and the engine meet only through these objects: a job goes in
+through the engine's inbox; events come back through the job's ``emit``
+callback, which the engine calls on its own thread and which hops onto the
+event loop (``loop.call_soon_threadsafe``). Cancellation is a flag the engine
+reads between prefill chunks and decode steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ...protocol.methods import GenerateParams
+
+_job_counter = itertools.count(1)
+
+# Event kinds passed to emit(kind, payload)
+CHUNK = "chunk"  # payload: chunk map (generate.chunk notification params)
+DONE = "done"  # payload: final result map
+FAILED = "failed"  # payload: RpcError
+
+
+@dataclass(eq=False)
+class GenerateJob:
+    """A generate (or, with ``warm_only``, a cache.warm) request on its way through the engine."""
+
+    client_id: str
+    msgid: int | None
+    params: GenerateParams
+    emit: Callable[[str, Any], None]
+    warm_only: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    job_id: int = field(default_factory=lambda: next(_job_counter))
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.client_id}:{self.msgid}"
+
+    def cancel(self) -> None:
+        self.cancelled.set()

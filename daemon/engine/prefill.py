@@ -1,0 +1,149 @@
+"""Prompt processing for one sequence: prefix lookup, fork, chunked prefill, storing.
+
+A prompt is fed in chunks that end on checkpoints: absolute multiples of
+the chunk size (so a cold and a warm run cut the same prompt at the same
+places), chat-message ends, and the prompt's end (len - 1: the last token is
+fed by the first decode step). After each chunk the new KV and the
+checkpoint go to the store at once, so a concurrent request with the same
+prefix, a cancelled request, and the next turn of a chat can all reuse it.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from ..cache import CacheReport, PrefixStore
+from ..kv.fork import capture_segment, capture_snapshot, fork_cache
+from ..kv.segments import segments_source
+from ..models.loaded_model import LoadedModel
+from ..models.prompt_encoding import EncodedPrompt
+from .jobs import GenerateJob
+from .sequence_state import Phase, SequenceState
+
+CHECKPOINT_PRIORITY = {"prompt-end": 3, "message": 2, "chunk": 1}
+
+
+def plan_prefill(start: int, end: int, chunk_size: int, prompt: EncodedPrompt) -> list[tuple[int, str]]:
+    """The (depth, kind) stops of a prefill of tokens [start, end), ascending."""
+    kinds: dict[int, str] = {}
+
+    def add(depth: int, kind: str) -> None:
+        if start < depth <= end and CHECKPOINT_PRIORITY[kind] > CHECKPOINT_PRIORITY.get(kinds.get(depth, ""), 0):
+            kinds[depth] = kind
+
+    for depth in range((start // chunk_size + 1) * chunk_size, end + 1, chunk_size):
+        add(depth, "chunk")
+    for span in prompt.message_spans:
+        add(span.end_token, "message")
+    add(end, "prompt-end")
+    return sorted(kinds.items())
+
+
+def make_sequence(job: GenerateJob, loaded: LoadedModel) -> SequenceState:
+    """Encode and check the prompt; raises RpcError for a bad one."""
+    prompt = loaded.encode(job.params.prompt)
+    loaded.check_length(len(prompt.tokens), generates=not job.warm_only)
+    return SequenceState(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)))
+
+
+def uses_store(store: PrefixStore | None, seq: SequenceState) -> bool:
+    return store is not None and seq.loaded.layout.is_supported
+
+
+def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int) -> None:
+    """Find the longest usable stored prefix, fork a private cache from it, plan the rest."""
+    loaded, options = seq.loaded, seq.params.cache
+    if seq.lease is not None:  # a second lookup, after waiting for a shared prefix
+        store.release(seq.lease)
+        seq.lease = None
+    match = None
+    if not uses_store(store, seq):
+        seq.report.turn_off("unsupported-cache")
+    elif not options.use:
+        seq.report.turn_off("disabled")
+    else:
+        match = store.match(
+            loaded.fingerprint, seq.tokens, max_length=len(seq.tokens) - 1, requires_snapshot=loaded.layout.is_hybrid
+        )
+        seq.report.record_match(match, seq.prompt, loaded.prefill_tokens_per_s)
+        if match.length:
+            seq.report.source = segments_source(match.segments)
+        seq.lease = match.lease
+    seq.reused = match.length if match is not None else 0
+    seq.cache = fork_cache(
+        loaded.model, loaded.layout, list(match.segments) if match else [], match.snapshot if match else None, seq.reused
+    )
+    seq.position = seq.stored_upto = seq.reused
+    seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
+    seq.phase = Phase.PREFILL
+    seq.prefill_started_at = time.monotonic()
+
+
+def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool) -> list[tuple[int, str]]:
+    """Take the stops the next forward pass covers off the front of ``plan``.
+
+    A hybrid model must end a pass at every stop: its conv/SSM state can only be
+    snapshotted where a pass ends. Attention KV can be cut at any depth, so for
+    other models one pass runs through every stop within a chunk of
+    ``position`` (message and chunk boundaries become labels only): on a CPU
+    where each pass at a long context costs a fixed 0.1 s or more, a chat turn's
+    tail then costs one pass instead of one per message.
+    """
+    taken = [plan.pop(0)]
+    if not is_hybrid:
+        while plan and plan[0][0] <= position + chunk_size:
+            taken.append(plan.pop(0))
+    return taken
+
+
+def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int) -> mx.array | None:
+    """Feed the next chunk of the prompt and store it; the caller checks seq.plan.
+
+    The plan stops one token short of the prompt's end (the exact-hit
+    checkpoint). On an attention-only model the last pass takes that token
+    along and returns its logits, so the first answer token costs no pass of
+    its own; a hybrid model needs the pass to end at the checkpoint for its
+    snapshot, and runs the last token in ``last_token_logits``.
+    """
+    layout = seq.loaded.layout
+    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid)
+    depth = stops[-1][0]
+    takes_last = not seq.plan and not seq.job.warm_only and not layout.is_hybrid and depth == len(seq.tokens) - 1
+    run_to = depth + 1 if takes_last else depth
+    started = time.monotonic()
+    logits = seq.loaded.model(mx.array(seq.tokens[seq.position : run_to])[None], cache=seq.cache)
+    last = logits[:, -1, :] if takes_last else None
+    mx.eval([c.state for c in seq.cache] + ([last] if takes_last else []))
+    seq.loaded.note_prefill_rate(run_to - seq.position, time.monotonic() - started)
+    seq.position = run_to
+    for stop, kind in stops:  # only the last can carry a snapshot; hybrid passes take one stop each
+        seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == seq.position else None)
+    store_progress(seq, store, seq.cache, seq.tokens[:depth])
+    return last
+
+
+def last_token_logits(seq: SequenceState) -> mx.array:
+    """Run what is left of the prompt (its last token, usually) and return the last position's logits."""
+    logits = seq.loaded.model(mx.array(seq.tokens[seq.position :])[None], cache=seq.cache)[:, -1, :]
+    mx.eval(logits)
+    seq.position = len(seq.tokens)
+    return logits
+
+
+def store_progress(seq: SequenceState, store: PrefixStore | None, cache: list[Any], tokens: list[int]) -> None:
+    """Give the store what this sequence computed since the last call."""
+    depth = len(tokens)
+    if not uses_store(store, seq) or not seq.params.cache.store or depth <= seq.stored_upto:
+        seq.checkpoints.clear()
+        return
+    segment = capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth)
+    checkpoints = {d: c for d, c in seq.checkpoints.items() if d <= depth}
+    result = store.insert(seq.loaded.fingerprint, tokens, seq.stored_upto, segment, checkpoints)
+    seq.report.stored_tokens += result.stored_tokens
+    seq.stored_upto = depth
+    seq.checkpoints.clear()
+

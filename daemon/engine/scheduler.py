@@ -1,0 +1,314 @@
+"""The engine's loop body: admit requests, run decode steps, interleave prefill chunks.
+
+Order of service, every iteration:
+1. admit queued jobs (the inbox hands them out round-robin across clients)
+   while fewer than ``max_active`` sequences run and their KV fits the budget;
+2. one decode step for every model's decode batch;
+3. one prefill chunk for one prefilling sequence, round-robin.
+So a long prompt is prefilled a chunk at a time between decode steps, and a
+short request arriving meanwhile gets its first token after at most a chunk
+or two. A prompt that shares more than a chunk with one being prefilled right
+now waits for it (WAITING) and then reuses it, instead of computing it twice.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any, Callable
+
+import structlog
+
+from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.methods import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
+from ..cache import PrefixStore
+from ..common_prefix import common_prefix_length
+from ..kv.fork import capture_snapshot
+from ..models.loaded_model import LoadedModel
+from .batch_decoder import BatchDecoder, sample_first
+from .jobs import FAILED, GenerateJob
+from .prefill import last_token_logits, make_sequence, prefill_step, start_prefill, store_progress
+from .sequence_state import Phase, SequenceState
+
+log = structlog.get_logger("prefixd.scheduler")
+
+MIN_BATCHED_TAILS = 3  # short prompt tails that arrive together and are prefilled in one batched pass
+
+
+class Scheduler:
+    def __init__(
+        self,
+        store: PrefixStore | None,
+        chunk_size: int,
+        max_active: int,
+        kv_budget_bytes: int,
+        resolve_model: Callable[[str | None], LoadedModel],
+    ):
+        self.store = store
+        self.chunk_size = chunk_size
+        self.max_active = max_active
+        self.kv_budget_bytes = kv_budget_bytes
+        self.resolve_model = resolve_model
+        self.active: list[SequenceState] = []
+        self._prefill_turns: deque[SequenceState] = deque()
+        self._decoders: dict[str, BatchDecoder] = {}
+        self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
+
+    # -- admission --------------------------------------------------------------------
+
+    def can_admit(self) -> bool:
+        return len(self.active) < self.max_active
+
+    def admit(self, job: GenerateJob) -> bool:
+        """Start a job; False if its KV does not fit beside the running ones yet (retry later)."""
+        if job.cancelled.is_set():
+            self.counters["cancelled"] += 1
+            job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
+            return True
+        try:
+            loaded = self.resolve_model(job.params.model)
+            seq = make_sequence(job, loaded)
+            if not self._reserve_memory(seq):
+                return False
+            self._start(seq)
+        except RpcError as err:
+            self.counters["failed"] += 1
+            job.emit(FAILED, err)
+        except Exception as exc:  # one bad request must not take the engine down
+            self.counters["failed"] += 1
+            log.exception("admission_failed", request_id=job.request_id)
+            job.emit(FAILED, RpcError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+        return True
+
+    def _reserve_memory(self, seq: SequenceState) -> bool:
+        """The decode batch's KV and the prefix store share one budget."""
+        per_token = seq.loaded.kv_bytes_per_token
+        seq.kv_bytes_estimate = per_token * (len(seq.tokens) + (0 if seq.job.warm_only else seq.params.max_tokens))
+        if seq.kv_bytes_estimate > self.kv_budget_bytes:
+            raise RpcError(
+                ErrorCode.OVERLOADED,
+                f"this request needs about {seq.kv_bytes_estimate >> 20} MiB of KV cache; the budget is "
+                f"{self.kv_budget_bytes >> 20} MiB (--cache-bytes); lower max_tokens or shorten the prompt",
+            )
+        in_use = sum(s.kv_bytes_estimate for s in self.active)
+        if in_use + seq.kv_bytes_estimate > self.kv_budget_bytes and self.active:
+            return False
+        if self.store is not None:
+            excess = self.store.num_bytes + in_use + seq.kv_bytes_estimate - self.kv_budget_bytes
+            if excess > 0:
+                self.store.evict(excess)
+        return True
+
+    def _start(self, seq: SequenceState) -> None:
+        self.active.append(seq)
+        start_prefill(seq, self.store, self.chunk_size)
+        leader = self._prefilling_leader(seq)
+        if leader is not None:
+            seq.phase, seq.waiting_on = Phase.WAITING, leader
+        else:
+            self._prefill_turns.append(seq)
+
+    def _prefilling_leader(self, seq: SequenceState) -> SequenceState | None:
+        """Another sequence now prefilling a prefix this one shares beyond its own reuse."""
+        if not seq.params.cache.use:
+            return None
+        for other in self.active:
+            if other is seq or other.phase is not Phase.PREFILL or other.loaded is not seq.loaded:
+                continue
+            shared = common_prefix_length(seq.tokens, other.tokens[: len(other.tokens) - 1])
+            if shared >= seq.reused + self.chunk_size // 2 and other.params.cache.store:
+                return other
+        return None
+
+    # -- one iteration ------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> None:
+        self._wake_waiters()
+        for decoder in list(self._decoders.values()):
+            if len(decoder):
+                self._decode_step(decoder)
+        # Tails handed to the batch get their first tokens from the next
+        # decode steps: run those before another (long) chunk.
+        if not any(s.phase is Phase.DECODE and s.first_token_at is None for s in self.active):
+            if not self._hand_over_short_tails():
+                self._prefill_one()
+
+    def _wake_waiters(self) -> None:
+        for seq in self.active:
+            if seq.phase is Phase.WAITING and (seq.waiting_on.phase is not Phase.PREFILL or seq.is_cancelled):
+                seq.waiting_on = None
+                self._guard(seq, lambda s=seq: self._restart(s))
+
+    def _restart(self, seq: SequenceState) -> None:
+        if seq.is_cancelled:
+            self._finish(seq, None, FINISH_CANCELLED)
+            return
+        start_prefill(seq, self.store, self.chunk_size)  # now reuses what the leader stored
+        self._prefill_turns.append(seq)
+
+    def _prefill_one(self) -> None:
+        """One chunk for the prefilling sequence with the least prompt left.
+
+        Shortest-remaining-first gets a short request to its first token
+        after at most one chunk of a long one; a sequence passed over twice
+        in a row goes next, so a long prompt is never starved.
+        """
+        turns = [s for s in self._prefill_turns if s.phase is Phase.PREFILL]
+        self._prefill_turns = deque(turns)
+        if not turns:
+            return
+        starved = [s for s in turns if s.num_prefill_skips >= 2]
+        seq = starved[0] if starved else min(turns, key=lambda s: len(s.tokens) - s.position)
+        self._prefill_turns.remove(seq)
+        for other in self._prefill_turns:
+            other.num_prefill_skips += 1
+        seq.num_prefill_skips = 0
+        self._guard(seq, lambda: self._prefill_chunk(seq))
+
+    def _hand_over_short_tails(self) -> bool:
+        """Let the decode batch prefill several short prompt tails in one batched pass.
+
+        When requests arrive together on a warm prefix (sessions sharing a
+        system prompt), each has a short tail left; one pass each would make
+        the last wait for all the others. With fewer than MIN_BATCHED_TAILS
+        one pass each is as quick (the first gets its token sooner, and the
+        batch needs two or three steps to a first token). Attention-only models only: a
+        hybrid model needs a pass to end at each checkpoint for its snapshot.
+        A tail someone waits for stays on the normal path, so that it is
+        stored at once; handed-over tails are stored with the answer.
+        """
+        by_model: dict[str, list[SequenceState]] = {}
+        awaited = {id(s.waiting_on) for s in self.active if s.phase is Phase.WAITING}
+        for seq in self._prefill_turns:
+            if (seq.phase is Phase.PREFILL and not seq.job.warm_only and not seq.loaded.layout.is_hybrid
+                    and len(seq.tokens) - seq.position <= self.chunk_size and id(seq) not in awaited):
+                by_model.setdefault(seq.loaded.name, []).append(seq)
+        groups = [group for group in by_model.values() if len(group) >= MIN_BATCHED_TAILS]
+        for group in groups:
+            for seq in group:
+                self._prefill_turns.remove(seq)
+                self._guard(seq, lambda s=seq: self._hand_tail_to_batch(s))
+        return bool(groups)
+
+    def _hand_tail_to_batch(self, seq: SequenceState) -> None:
+        seq.plan.clear()
+        seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
+        seq.phase = Phase.DECODE
+        self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
+
+    def _prefill_chunk(self, seq: SequenceState) -> None:
+        if seq.is_cancelled:
+            self._finish(seq, None, FINISH_CANCELLED)
+            return
+        logits = prefill_step(seq, self.store, self.chunk_size) if seq.plan else None
+        if seq.plan:
+            self._prefill_turns.append(seq)
+        elif seq.job.warm_only:
+            self._finish(seq, None, FINISH_STOP)
+        else:
+            self._start_answer(seq, logits)
+
+    def _start_answer(self, seq: SequenceState, logits: Any) -> None:
+        """Sample the first token from the prompt's last logits here, then hand the rest to the batch.
+
+        The first token is out as soon as the prompt is done: no wait for the
+        next batch step, and no second pass at a long context (on an attention
+        model the last prefill pass already gave these logits).
+        """
+        if logits is None:
+            logits = last_token_logits(seq)
+        token = sample_first(seq, logits)
+        stopped = seq.on_token(token)  # True on an end token or a stop string
+        if stopped or seq.params.max_tokens <= 1:
+            self._finish(seq, seq.cache, FINISH_STOP if stopped else FINISH_LENGTH)
+            return
+        seq.phase = Phase.DECODE
+        self._decoder_for(seq).add(seq, [token], seq.params.max_tokens - 1)
+
+    def _decode_step(self, decoder: BatchDecoder) -> None:
+        try:
+            events = decoder.step()
+        except Exception:
+            log.exception("decode_step_failed")
+            for seq in [s for s in self.active if s.phase is Phase.DECODE and self._decoders.get(s.loaded.name) is decoder]:
+                self._fail(seq, RpcError(ErrorCode.INTERNAL, "the decode step failed; see the daemon log"))
+            self._decoders.pop(next(k for k, v in self._decoders.items() if v is decoder), None)
+            return
+        for event in events:
+            seq = event.seq
+            stopped = seq.on_token(event.token)
+            if event.done_by_batch:
+                reason = FINISH_STOP if event.token in seq.loaded.eos_token_ids else FINISH_LENGTH
+                self._finish(seq, event.cache, FINISH_STOP if stopped else reason)
+            elif stopped or seq.is_cancelled:
+                cache = decoder.remove(seq)
+                self._finish(seq, cache, FINISH_STOP if stopped else FINISH_CANCELLED)
+
+    def _decoder_for(self, seq: SequenceState) -> BatchDecoder:
+        decoder = self._decoders.get(seq.loaded.name)
+        if decoder is None:
+            decoder = self._decoders[seq.loaded.name] = BatchDecoder(seq.loaded.model, seq.loaded.eos_token_ids)
+        return decoder
+
+    # -- the end of a sequence ------------------------------------------------------------
+
+    def _finish(self, seq: SequenceState, cache: list[Any] | None, finish_reason: str) -> None:
+        if seq.phase is not Phase.WAITING and seq.first_token_at is not None:
+            seq.flush_text()
+        if cache is not None:
+            self._store_answer(seq, cache)
+        self._release(seq)
+        self.counters["cancelled" if seq.is_cancelled else "completed"] += 1
+        seq.finish(finish_reason)
+
+    def _store_answer(self, seq: SequenceState, cache: list[Any]) -> None:
+        """Keep prompt + answer, so the next turn of a chat reuses the answer it just got."""
+        layout = seq.loaded.layout
+        if not layout.attention_layers:
+            return  # no offset to read the depth from
+        depth = cache[layout.attention_layers[0]].offset
+        tokens = seq.all_tokens()[:depth]
+        if len(tokens) != depth:
+            return
+        seq.checkpoints[depth] = ("answer-end", capture_snapshot(cache, layout))
+        store_progress(seq, self.store, cache, tokens)
+
+    def _fail(self, seq: SequenceState, err: RpcError) -> None:
+        self._release(seq)
+        self.counters["failed"] += 1
+        seq.phase = Phase.DONE
+        seq.job.emit(FAILED, err)
+
+    def _release(self, seq: SequenceState) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+        if seq.lease is not None:
+            self.store.release(seq.lease)
+            seq.lease = None
+        seq.cache = None
+
+    def _guard(self, seq: SequenceState, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except RpcError as err:
+            self._fail(seq, err)
+        except Exception as exc:
+            log.exception("sequence_failed", request_id=seq.job.request_id)
+            self._fail(seq, RpcError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        phases = [s.phase for s in self.active]
+        return {
+            "active": len(self.active),
+            "waiting": phases.count(Phase.WAITING),
+            "prefilling": phases.count(Phase.PREFILL),
+            "decoding": phases.count(Phase.DECODE),
+            "kv_reserved_bytes": sum(s.kv_bytes_estimate for s in self.active),
+            "active_per_client": dict(Counter(s.job.client_id for s in self.active)),
+        }

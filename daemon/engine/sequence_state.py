@@ -1,0 +1,145 @@
+"""One request's state inside the engine, from admission to its final reply.
+
+A SequenceState moves through phases: WAITING (its prompt shares a prefix with
+another request that is prefilling it right now; it waits to reuse that
+instead of computing it twice), PREFILL (chunks of its prompt are fed
+between decode steps), DECODE (it is a row of the model's decode batch),
+then DONE. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ...protocol.methods import FINISH_CANCELLED, GenerateParams
+from ..cache import CacheReport, Lease
+from ..models.loaded_model import LoadedModel
+from ..models.prompt_encoding import EncodedPrompt
+from .jobs import CHUNK, DONE, GenerateJob
+from .stop_strings import StopStringMatcher
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class SequenceState:
+    job: GenerateJob
+    loaded: LoadedModel
+    prompt: EncodedPrompt
+    report: CacheReport
+    phase: Phase = Phase.PREFILL
+    lease: Lease | None = None  # the store's lock on the reused prefix
+    cache: list[Any] | None = None  # the live cache while prefilling
+    reused: int = 0
+    position: int = 0  # tokens fed into the cache so far
+    stored_upto: int = 0  # tokens of this sequence the store already holds
+    plan: list[tuple[int, str]] = field(default_factory=list)  # remaining (depth, kind) prefill stops
+    checkpoints: dict[int, tuple[str, Any]] = field(default_factory=dict)  # not yet handed to the store
+    waiting_on: "SequenceState | None" = None
+    uid: int | None = None  # row id in the decode batch
+    sampler: Any = None  # made once per sequence (batch_decoder.sampler_for)
+    generated: list[int] = field(default_factory=list)  # sampled tokens, eos included
+    pieces: list[str] = field(default_factory=list)
+    num_chunks: int = 0
+    completion_tokens: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    prefill_started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    kv_bytes_estimate: int = 0
+    num_prefill_skips: int = 0  # prefill turns given to others in a row
+
+    def __post_init__(self) -> None:
+        self.detokenizer = self.loaded.tokenizer.detokenizer
+        self.stops = StopStringMatcher(self.job.params.stop)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt.tokens
+
+    @property
+    def params(self) -> GenerateParams:
+        return self.job.params
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.job.cancelled.is_set()
+
+    def all_tokens(self) -> list[int]:
+        """Prompt plus sampled tokens: what the cache holds, in order."""
+        return self.tokens + self.generated
+
+    # -- decoding ------------------------------------------------------------------
+
+    def on_token(self, token: int) -> bool:
+        """Take one sampled token; True when a stop string or eos ends the sequence."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.generated.append(token)
+        if token in self.loaded.eos_token_ids:
+            return True
+        self.completion_tokens += 1
+        self.detokenizer.add_token(token)
+        self._send(self.stops.feed(self.detokenizer.last_segment), [token])
+        return self.stops.stopped
+
+    def flush_text(self) -> None:
+        """At the end: the detokenizer's and the stop matcher's held-back text."""
+        self.detokenizer.finalize()
+        tail = "" if self.stops.stopped else self.stops.feed(self.detokenizer.last_segment)
+        self._send(tail + self.stops.flush(), [])
+
+    def _send(self, text: str, tokens: list[int]) -> None:
+        if not text:
+            return
+        self.pieces.append(text)
+        if self.params.stream:
+            self.job.emit(CHUNK, {"id": self.job.msgid, "text": text, "tokens": tokens, "index": self.num_chunks})
+            self.num_chunks += 1
+
+    # -- the reply -------------------------------------------------------------------
+
+    def finish(self, finish_reason: str) -> None:
+        self.phase = Phase.DONE
+        self.finish_reason = FINISH_CANCELLED if self.is_cancelled and finish_reason != FINISH_CANCELLED else finish_reason
+        self.finished_at = time.monotonic()
+        self.job.emit(DONE, self.result())
+
+    def result(self) -> dict[str, Any]:
+        now = self.finished_at or time.monotonic()
+        enqueued = self.job.enqueued_at
+        first = self.first_token_at or now
+        prefill_started = self.prefill_started_at or self.started_at
+        decode_seconds = max(now - first, 0.0)
+        num_prompt_tokens = len(self.tokens)
+        return {
+            "model": self.loaded.name,
+            "session": self.params.session,
+            "text": "".join(self.pieces),
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": self.completion_tokens},
+            "cache": self.report.to_wire(),
+            "timings": {
+                "queue_ms": _ms(self.started_at - enqueued),
+                "ttft_ms": _ms(first - enqueued),
+                "prefill_ms": _ms(first - prefill_started),
+                "decode_ms": _ms(decode_seconds),
+                "total_ms": _ms(now - enqueued),
+                "decode_tokens_per_s": round((self.completion_tokens - 1) / decode_seconds, 2)
+                if self.completion_tokens > 1 and decode_seconds > 0
+                else 0.0,
+            },
+        }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)

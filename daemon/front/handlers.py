@@ -1,0 +1,210 @@
+"""The daemon's methods: validate parameters, hand work to the engine, shape replies.
+
+Runs on the event loop. Nothing here touches MLX: model work goes to the
+engine thread as a GenerateJob or an ``engine.call``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Callable
+
+import structlog
+
+from ...protocol import methods as m
+from ...protocol.codec import MAX_MESSAGE_BYTES
+from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.messages import Notification, Request
+from ..engine.engine import Engine
+from ..engine.jobs import CHUNK, DONE, GenerateJob
+from ..models.names import model_not_found
+from .connection import Connection
+
+log = structlog.get_logger("prefixd.request")
+DAEMON_VERSION = "0.1.0"
+CAPABILITIES = ("stream", "cancel", "prefix-cache", "messages", "tokens", "cache.warm", "cache.pin")
+
+
+class Handlers:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.started_at = time.time()
+        self._draining: set[asyncio.Task] = set()  # log the end of jobs nobody waits for
+        self._table = {
+            m.HELLO: self.hello,
+            m.PING: self.ping,
+            m.MODELS: self.models,
+            m.STATS: self.stats,
+            m.TOKENIZE: self.tokenize,
+            m.GENERATE: self.generate,
+            m.CANCEL: self.cancel,
+            m.CACHE_WARM: self.cache_warm,
+            m.CACHE_PIN: self.cache_pin,
+            m.CACHE_UNPIN: self.cache_unpin,
+        }
+
+    async def __call__(self, conn: Connection, request: Request) -> Any:
+        handler = self._table.get(request.method)
+        if handler is None:
+            raise RpcError(ErrorCode.METHOD_NOT_FOUND, f"unknown method {request.method!r}; methods: {', '.join(m.METHODS)}")
+        return await handler(conn, request.msgid, m.single_map_param(request.params))
+
+    # -- cheap methods, answered on the event loop -----------------------------------
+
+    async def hello(self, conn: Connection, msgid: int, params: dict) -> dict:
+        return {
+            "protocol_version": m.PROTOCOL_VERSION,
+            "daemon_version": DAEMON_VERSION,
+            "models": list(self.engine.model_names),
+            "default_model": self.engine.default_model,
+            "capabilities": list(CAPABILITIES),
+            "pid": os.getpid(),
+            "max_message_bytes": MAX_MESSAGE_BYTES,
+        }
+
+    async def ping(self, conn: Connection, msgid: int, params: dict) -> dict:
+        return {"pong": True, "time": time.time()}
+
+    async def cancel(self, conn: Connection, msgid: int, params: dict) -> dict:
+        target = m.parse_cancel(params)
+        job = conn.jobs.get(target)
+        if job is None:
+            return {"cancelled": False}
+        job.cancel()
+        return {"cancelled": True}
+
+    # -- methods answered by the engine thread -----------------------------------------
+
+    async def models(self, conn: Connection, msgid: int, params: dict) -> dict:
+        return {"models": await self.engine.call(self.engine.controls.describe_models)}
+
+    async def stats(self, conn: Connection, msgid: int, params: dict) -> dict:
+        stats = await self.engine.call(self.engine.controls.stats)
+        return {"uptime_s": round(time.time() - self.started_at, 3), **stats}
+
+    async def tokenize(self, conn: Connection, msgid: int, params: dict) -> dict:
+        prompt, model = m.parse_prompt_request(params)
+        self._check_model(model)
+        return await self.engine.call(lambda: self.engine.controls.tokenize(prompt, model))
+
+    async def cache_pin(self, conn: Connection, msgid: int, params: dict) -> dict:
+        prompt, model = m.parse_prompt_request(params)
+        self._check_model(model)
+        return await self.engine.call(lambda: self.engine.controls.pin(prompt, model, pinned=True))
+
+    async def cache_unpin(self, conn: Connection, msgid: int, params: dict) -> dict:
+        prompt, model = m.parse_prompt_request(params)
+        self._check_model(model)
+        return await self.engine.call(lambda: self.engine.controls.pin(prompt, model, pinned=False))
+
+    async def generate(self, conn: Connection, msgid: int, params: dict) -> dict:
+        return await self._run_job(conn, msgid, m.parse_generate(params), warm_only=False)
+
+    async def cache_warm(self, conn: Connection, msgid: int, params: dict) -> dict:
+        prompt, model = m.parse_prompt_request(params)
+        generate = m.GenerateParams(prompt=prompt, model=model, max_tokens=1, session=params.get("session"))
+        result = await self._run_job(conn, msgid, generate, warm_only=True)
+        return {"model": result["model"], "cache": result["cache"], "timings": result["timings"]}
+
+    async def _run_job(self, conn: Connection, msgid: int, params: m.GenerateParams, warm_only: bool) -> dict:
+        if msgid in conn.jobs:
+            raise RpcError(ErrorCode.INVALID_REQUEST, f"msgid {msgid} is already in flight on this connection")
+        return await self.run_job(
+            conn.client_id,
+            msgid,
+            params,
+            warm_only=warm_only,
+            on_chunk=lambda chunk: conn.send(Notification(m.GENERATE_CHUNK, [chunk])),
+            jobs=conn.jobs,
+        )
+
+    async def run_job(
+        self,
+        client_id: str,
+        msgid: int | None,
+        params: m.GenerateParams,
+        *,
+        warm_only: bool = False,
+        on_chunk: Callable[[dict], None] | None = None,
+        jobs: dict[Any, GenerateJob] | None = None,
+    ) -> dict:
+        """Run one generate (or cache.warm) job on the engine and return its result map.
+
+        The core both fronts share: ``on_chunk`` receives stream chunks on the
+        event loop; ``jobs`` (if given) holds the job under ``msgid`` while it
+        runs. Cancelling the awaiting task cancels the job on the engine.
+        """
+        self._check_model(params.model)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, payload: Any) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:
+                pass  # the loop is gone: the daemon is exiting
+
+        job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only)
+        self.engine.submit(job)
+        if jobs is not None:
+            jobs[msgid] = job
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == CHUNK:
+                    if on_chunk is not None:
+                        on_chunk(payload)
+                elif kind == DONE:
+                    self._log_request(client_id, job, payload)
+                    return payload
+                else:
+                    log.info("request_failed", request_id=job.request_id, code=payload.code, error=payload.message)
+                    raise payload
+        except asyncio.CancelledError:
+            job.cancel()  # nobody waits for it any more: free the engine
+            task = asyncio.create_task(self._log_abandoned(client_id, job, events))
+            self._draining.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._draining.discard)
+            raise
+        finally:
+            if jobs is not None:
+                jobs.pop(msgid, None)
+
+    async def _log_abandoned(self, client_id: str, job: GenerateJob, events: asyncio.Queue) -> None:
+        """Log how a job whose requester went away ended (finish_reason "cancelled", usually)."""
+        while True:
+            kind, payload = await events.get()
+            if kind == DONE:
+                self._log_request(client_id, job, payload)
+                return
+            if kind != CHUNK:
+                return
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.engine.model_names:
+            raise model_not_found(model, self.engine.model_names)
+
+    @staticmethod
+    def _log_request(client_id: str, job: GenerateJob, result: dict) -> None:
+        # The peer's pid and uid come from the context the front bound.
+        cache, timings = result["cache"], result["timings"]
+        log.info(
+            "cache_warm" if job.warm_only else "generate",
+            request_id=job.request_id,
+            client=client_id,
+            session=job.params.session,
+            model=result["model"],
+            prompt_tokens=result["usage"]["prompt_tokens"],
+            completion_tokens=result["usage"]["completion_tokens"],
+            finish_reason=result["finish_reason"],
+            cache_hit=cache["hit"],
+            reused_tokens=cache["reused_tokens"],
+            prefilled_tokens=cache["prefilled_tokens"],
+            stored_tokens=cache["stored_tokens"],
+            checkpoint=cache["checkpoint"],
+            miss_reason=cache["miss_reason"],
+            diverged_at=cache["diverged_at"],
+            **timings,
+        )

@@ -1,0 +1,185 @@
+"""OpenAI's request and response shapes, translated to and from prefixd's.
+
+Pure data, no I/O: ``http_front`` feeds request bodies in and writes what
+comes out. Requests become the same ``GenerateParams`` the socket front
+builds (through ``protocol.methods.parse_generate``, so both fronts validate
+alike); replies carry prefixd's ``cache`` map as ``prefixd_cache`` and its
+``reused_tokens`` as ``usage.prompt_tokens_details.cached_tokens``.
+
+Fields prefixd cannot honour change the answer, so they are refused (n > 1,
+logprobs, suffix); fields that only tune what OpenAI's servers do (user,
+penalties, tools, response_format, ...) are ignored, as most local servers
+do. Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from ...protocol import methods as m
+from ...protocol.errors import ErrorCode, RpcError
+
+# prefixd error code -> (HTTP status, OpenAI error type, OpenAI error code)
+_HTTP_ERRORS: dict[int, tuple[int, str, str | None]] = {
+    ErrorCode.INVALID_PARAMS: (400, "invalid_request_error", None),
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorCode.METHOD_NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    ErrorCode.PROMPT_TOO_LONG: (413, "invalid_request_error", "context_length_exceeded"),
+    ErrorCode.MESSAGE_TOO_LARGE: (413, "invalid_request_error", "request_too_large"),
+    ErrorCode.OVERLOADED: (503, "server_error", "overloaded"),
+    ErrorCode.SHUTTING_DOWN: (503, "server_error", "shutting_down"),
+    ErrorCode.CANCELLED: (499, "server_error", "cancelled"),
+}
+_FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length"}
+
+
+def _invalid(message: str, param: str | None = None) -> RpcError:
+    return RpcError(ErrorCode.INVALID_PARAMS, message, {"param": param} if param else None)
+
+
+def error_body(err: RpcError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI-shaped body for a prefixd error."""
+    status, kind, code = _HTTP_ERRORS.get(err.code, (500, "server_error", None))
+    param = err.data.get("param") if isinstance(err.data, dict) else None
+    if param is None and err.code == ErrorCode.INVALID_PARAMS and err.message.startswith("'"):
+        param = err.message.split("'")[1]  # the validators name the field first: "'max_tokens' must be ..."
+    return status, {"error": {"message": err.message, "type": kind, "param": param, "code": code, "prefixd_code": err.code}}
+
+
+def http_error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+# -- requests -------------------------------------------------------------------------
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling and prefixd fields shared by both endpoints, as generate params."""
+    if body.get("n") not in (None, 1):
+        raise _invalid("only n=1 is supported", "n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _invalid("logprobs are not supported", "logprobs")
+    params: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    for key, value in (("max_tokens", max_tokens), ("temperature", body.get("temperature")), ("top_p", body.get("top_p")),
+                       ("seed", body.get("seed")), ("stop", body.get("stop")), ("stream", body.get("stream")),
+                       ("model", body.get("model") or None), ("session", body.get("session")), ("cache", body.get("cache"))):
+        if value is not None:
+            params[key] = value
+    return params
+
+
+def chat_request(body: Any) -> m.GenerateParams:
+    """A /v1/chat/completions body as GenerateParams."""
+    if not isinstance(body, dict):
+        raise _invalid("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("'messages' must be a non-empty array", "messages")
+    return m.parse_generate({**_common(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]})
+
+
+def _chat_message(index: int, message: Any) -> dict[str, str]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise _invalid(f"messages[{index}] must be an object with a string 'role'", "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _invalid(f"messages[{index}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise _invalid(f"messages[{index}].content must be a string or an array of text parts", "messages")
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {"role": role, "content": content}
+
+
+def completion_request(body: Any) -> m.GenerateParams:
+    """A /v1/completions body as GenerateParams (prompt: text, [text] or [token ids])."""
+    if not isinstance(body, dict):
+        raise _invalid("the request body must be a JSON object")
+    if body.get("suffix"):
+        raise _invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    if body.get("echo"):
+        raise _invalid("'echo' is not supported", "echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return m.parse_generate({**_common(body), "prompt": prompt})
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return m.parse_generate({**_common(body), "tokens": prompt})
+    raise _invalid("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt")
+
+
+def wants_usage(body: Any) -> bool:
+    """stream_options.include_usage: a last streamed chunk with the usage."""
+    options = body.get("stream_options") if isinstance(body, dict) else None
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+# -- replies ----------------------------------------------------------------------------
+
+
+class Reply:
+    """Builds the objects of one reply, streamed or not; id and created stay fixed."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def complete(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The whole reply of a non-streamed request."""
+        finish = _FINISH_REASONS.get(result["finish_reason"], "stop")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": None}
+        return {**self._envelope(self.object, [choice]), **self.extras(result)}
+
+    def extras(self, result: dict[str, Any]) -> dict[str, Any]:
+        """usage (with cached_tokens), prefixd_cache and prefixd_timings."""
+        usage = result["usage"]
+        return {
+            "usage": {
+                "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": result["cache"]["reused_tokens"]},
+            },
+            "prefixd_cache": result["cache"],
+            "prefixd_timings": result["timings"],
+        }
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        """One streamed chunk: a piece of text, or the closing chunk with its finish reason."""
+        finish = _FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}])
+
+    def closing_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The chunk that carries the finish reason, plus prefixd's cache figures."""
+        extras = self.extras(result)
+        return {**self.chunk(finish_reason=result["finish_reason"]), "prefixd_cache": extras["prefixd_cache"], "prefixd_timings": extras["prefixd_timings"]}
+
+    def usage_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: no choices, the usage."""
+        return {**self._envelope(self.object + (".chunk" if self.chat else ""), []), **self.extras(result)}
+
+
+def models_list(model_names: tuple[str, ...], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "prefixd"} for name in model_names]}

@@ -1,0 +1,54 @@
+"""Which layers of a model's mlx-lm cache the prefix store can hold, and how.
+
+Attention layers (``KVCache``) are trimmable: any prefix of a stored sequence
+is valid. State layers (``ArraysCache``: the conv/SSM state of hybrid models)
+are not: such a model can only resume where a snapshot of them was taken.
+Anything else (rotating, quantized, chunked caches) is not stored at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Which layers of a model's cache are attention (trimmable) and which are state."""
+
+    attention_layers: tuple[int, ...]
+    state_layers: tuple[int, ...]
+    other_layers: tuple[int, ...]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.state_layers)
+
+    @property
+    def is_supported(self) -> bool:
+        """Only KVCache and ArraysCache layers can be stored and forked exactly."""
+        return not self.other_layers
+
+    def describe(self) -> dict[str, int]:
+        return {
+            "kvcache": len(self.attention_layers),
+            "arrays": len(self.state_layers),
+            "other": len(self.other_layers),
+        }
+
+
+def make_cache_layout(model: Any) -> CacheLayout:
+    """Classify the layers of the cache that mlx-lm makes for ``model``."""
+    attention, state, other = [], [], []
+    for index, layer_cache in enumerate(make_prompt_cache(model)):
+        # Exact type checks: subclasses (rotating, quantized, chunked) do not
+        # share KVCache's "any prefix is valid" property.
+        if type(layer_cache) is KVCache:
+            attention.append(index)
+        elif isinstance(layer_cache, ArraysCache):
+            state.append(index)
+        else:
+            other.append(index)
+    return CacheLayout(tuple(attention), tuple(state), tuple(other))

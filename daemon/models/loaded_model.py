@@ -1,0 +1,176 @@
+"""A model the engine has loaded: weights, tokenizer, cache layout, identity (fingerprint).
+
+Engine thread only: loading and the model itself make MLX calls. How prompts
+become tokens is prompt_encoding.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.utils import load as mlx_lm_load
+
+from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.methods import PromptInput
+from ..kv.layout import CacheLayout, make_cache_layout
+from .prompt_encoding import EncodedPrompt, PromptEncoder
+
+_FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    encoder: PromptEncoder
+    layout: CacheLayout
+    fingerprint: str
+    context_length: int
+    dtype: str
+    load_seconds: float
+    weight_bytes: int
+    kv_bytes_per_token: int = 0  # attention KV per token, all layers
+    prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def describe(self, default: bool) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "default": default,
+            "context_length": self.context_length,
+            "fingerprint": self.fingerprint,
+            "hybrid": self.layout.is_hybrid,
+            "dtype": self.dtype,
+            "cache_layers": self.layout.describe(),
+        }
+
+    def encode(self, prompt: PromptInput) -> EncodedPrompt:
+        """Token ids for a prompt given as text, chat messages or ids (see PromptEncoder)."""
+        return self.encoder.encode(prompt)
+
+    def check_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
+        """A prompt must fit the context, leaving room for one new token when it generates."""
+        if num_prompt_tokens == 0:
+            raise RpcError(ErrorCode.INVALID_PARAMS, "the prompt is empty")
+        limit = self.context_length - 1 if generates else self.context_length
+        if num_prompt_tokens > limit:
+            room = " and at least one new token" if generates else ""
+            raise RpcError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {num_prompt_tokens} tokens; model {self.name} has a context of {self.context_length} "
+                f"for the prompt{room}",
+                {"prompt_tokens": num_prompt_tokens, "context_length": self.context_length},
+            )
+
+    def note_prefill_rate(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 16 or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
+
+
+def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load a local MLX model directory, or a Hugging Face id already in the local cache."""
+    path = resolve_model_path(spec)
+    started = time.perf_counter()
+    model, tokenizer = mlx_lm_load(str(path))
+    if dtype != "auto":
+        model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    load_seconds = time.perf_counter() - started
+    config = json.loads((path / "config.json").read_text())
+    weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
+    first_param = next(v for _, v in _flatten(model.parameters()))
+    layout = make_cache_layout(model)
+    return LoadedModel(
+        name=name or path.name,
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        encoder=PromptEncoder(tokenizer, name or path.name),
+        layout=layout,
+        kv_bytes_per_token=_kv_bytes_per_token(model, layout),
+        fingerprint=model_fingerprint(path, tokenizer, str(first_param.dtype)),
+        context_length=_context_length(config),
+        dtype=str(first_param.dtype).replace("mlx.core.", ""),
+        load_seconds=load_seconds,
+        weight_bytes=weight_bytes,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+    )
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A directory as given, or the local Hugging Face snapshot of a repo id (never downloaded)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not an MLX model directory")
+        return path.resolve()
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(spec, local_files_only=True))
+        except Exception:
+            raise FileNotFoundError(
+                f"model {spec!r} is not a local directory and not in the local Hugging Face cache; "
+                "prefixd never downloads at run time (see `prefixd setup` / `prefixd import-gguf`)"
+            ) from None
+    raise FileNotFoundError(f"model directory {spec!r} does not exist")
+
+
+def model_fingerprint(path: Path, tokenizer: Any, dtype: str) -> str:
+    """Identity of everything that shapes a KV cache: weights, tokenizer, template, versions."""
+    digest = hashlib.sha256()
+    for file in sorted(path.iterdir()):
+        if file.suffix not in {".json", ".safetensors", ".jinja", ".model", ".txt"} or not file.is_file():
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(_FINGERPRINT_SAMPLE_BYTES))
+            if size > 2 * _FINGERPRINT_SAMPLE_BYTES:
+                handle.seek(size - _FINGERPRINT_SAMPLE_BYTES)
+                digest.update(handle.read())
+    digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    digest.update(f"{dtype}|mlx={mx.__version__}|mlx_lm={mlx_lm.__version__}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _kv_bytes_per_token(model: Any, layout: CacheLayout) -> int:
+    """Measured, not derived from the config: one token through a fresh cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    total = 0
+    for index in layout.attention_layers:
+        keys, values = cache[index].keys, cache[index].values
+        mx.eval(keys, values)
+        total += (keys.nbytes + values.nbytes) // keys.shape[2]
+    return total
+
+
+def _context_length(config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return int(os.environ.get("PREFIXD_DEFAULT_CONTEXT", "4096"))
+
+
+def _flatten(params: Any):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)

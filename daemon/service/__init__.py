@@ -1,0 +1,1 @@
+"""The daemon as a process: command line, configuration, logs, systemd and launchd, lifecycle."""

@@ -1,0 +1,157 @@
+"""``prefixd serve``: parse the command line, set up BLAS and logging, run the daemon.
+
+Settings come from flags, ``PREFIXD_*`` environment variables and the config
+file, in that order (see config.py); ``--print-config`` (``prefixd config``)
+shows the result and where each value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from ..front import http_options
+from ..models.blas import preload_blas
+from .config import ConfigError, explicit_flags, load_config
+from .config import parse_size as parse_size_value
+
+
+def parse_size(text: str) -> int:
+    """'512M', '4G', '1.5GiB' or plain bytes."""
+    try:
+        return parse_size_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ...protocol.paths import default_socket_path
+
+    # Defaults live in config.OPTIONS: a flag that is left out leaves the
+    # setting to the environment, the config file, then the default.
+    parser = argparse.ArgumentParser(prog="prefixd serve", description="Run the prefixd daemon. Every flag can also be set as PREFIXD_<NAME> or in the config file (see prefixd config).")
+    parser.add_argument("--config", type=Path, help="config file (default: $PREFIXD_CONFIG or $XDG_CONFIG_HOME/prefixd/config.toml)")
+    parser.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "json"], help="print the effective configuration and where each value came from, then exit")
+    parser.add_argument("--model", action="append", help="MLX model directory or a locally cached Hugging Face id; repeat to load several (the first is the default); required here, in $PREFIXD_MODEL or in the config file")
+    parser.add_argument("--socket", type=Path, help=f"Unix socket path (default: $PREFIXD_SOCKET or {default_socket_path()})")
+    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="cast unquantized weights (default auto: float32 on a Linux CPU, where it is the fast path)")
+    parser.add_argument("--cache-bytes", type=parse_size, help="prefix-cache budget (default: a quarter of RAM, at most 8G)")
+    parser.add_argument("--cache-entries", type=int, help="prefix-cache node limit (default 65536)")
+    parser.add_argument("--pinned-bytes", type=parse_size, help="budget for pinned prefixes (default: a quarter of --cache-bytes)")
+    parser.add_argument("--disk-cache-bytes", type=parse_size, help="keep the prefix cache on disk across restarts, within this budget (default 0: off)")
+    parser.add_argument("--cache-dir", type=Path, help="where the disk cache lives (default: $XDG_CACHE_HOME/prefixd/kv; macOS ~/Library/Caches/prefixd/kv)")
+    parser.add_argument("--disk-save-interval", type=float, help="seconds between saves of what changed (default 60; also saved at shutdown)")
+    parser.add_argument("--prefill-chunk", type=int, help="prefill chunk size in tokens, at least 16; every chunk end is a cache checkpoint (default 512)")
+    parser.add_argument("--max-active", type=int, help="sequences prefilling or decoding at once; the rest queue (default 16)")
+    parser.add_argument("--max-queued", type=int, help="queued requests in total before OVERLOADED (default 256)")
+    parser.add_argument("--max-queued-per-client", type=int, help="queued requests per connection before OVERLOADED (default 64)")
+    parser.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default 10)")
+    parser.add_argument("--log-format", choices=["auto", "json", "console"], help="default auto: console on a terminal, else JSON lines")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    parser.add_argument("--status-interval", type=float, help="seconds between systemd STATUS= updates under Type=notify (default 5)")
+    http_options.add_arguments(parser)  # --http, --http-socket, --http-token-file, --allow-uid
+    return parser
+
+
+def print_config_main(argv: list[str] | None = None) -> int:
+    """``prefixd config [--json] [serve flags...]``: the effective configuration, with sources."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fmt = "json" if "--json" in argv else "toml"
+    return main(["--print-config", fmt, *(arg for arg in argv if arg != "--json")])
+
+
+def resolve_dtype(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if sys.platform.startswith("linux"):
+        import mlx.core as mx
+
+        if mx.default_device() == mx.cpu:
+            return "float32"
+    return "auto"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parsed = build_parser().parse_args(argv)
+    try:
+        config = load_config(explicit_flags(build_parser, argv))
+    except ConfigError as exc:
+        print(f"prefixd: {exc}", file=sys.stderr)
+        return 2
+    if parsed.print_config:
+        print(config.to_json() if parsed.print_config == "json" else config.to_toml(), end="")
+        return 0
+    args = config.namespace(parsed)
+    if not args.model:
+        print(f"prefixd: no model to serve: pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
+        return 2
+    blas = preload_blas()  # before anything imports mlx
+    from ..engine.settings import EngineSettings
+    from ..front.listener import SocketInUse
+    from ..persist.persistence import DiskCacheSettings
+    from .logs import configure_logging
+    from .server import DaemonServer, ServerSettings
+
+    configure_logging(args.log_format, args.log_level)
+    import structlog
+
+    log = structlog.get_logger("prefixd")
+    try:
+        http = http_options.http_settings(args)
+    except (ValueError, OSError) as exc:
+        print(f"prefixd: {exc}", file=sys.stderr)
+        return 2
+    cache_bytes = args.cache_bytes
+    engine = EngineSettings(
+        model_specs=tuple(args.model),
+        dtype=resolve_dtype(args.dtype),
+        prefill_chunk=args.prefill_chunk,
+        cache_bytes=cache_bytes,
+        cache_nodes=args.cache_entries,
+        pinned_bytes=args.pinned_bytes,
+        max_active=args.max_active,
+        max_queued=args.max_queued,
+        max_queued_per_client=args.max_queued_per_client,
+    )
+    settings = ServerSettings(socket_path=args.socket, engine=engine, grace_seconds=args.grace_seconds,
+                              http=http, allowed_uids=tuple(args.allow_uid), status_interval_seconds=args.status_interval,
+                              disk_cache=DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval) if args.disk_cache_bytes else None)
+    log.info("daemon_starting", blas=blas or "bundled", dtype=engine.dtype, cache_bytes=cache_bytes, prefill_chunk=engine.prefill_chunk,
+             config_file=str(config.path) if config.file_found else None)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        code = runner(DaemonServer(settings).run())
+    except SocketInUse as exc:
+        print(f"prefixd: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, TimeoutError) as exc:  # a missing model, a busy --http port, a slow load
+        print(f"prefixd: {exc}", file=sys.stderr)
+        return 1
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown, after a clean shutdown.
+
+    The daemon has stopped its engine and said everything it had to say. What
+    is left is the C++ static teardown, which sometimes aborts after the engine
+    thread has exited ("terminate called without an active exception", exit
+    134; about one clean stop in ten, seen with mlx 0.32.4 on Linux), and
+    systemd would record that clean stop as a failure.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
