@@ -31,7 +31,7 @@ from ..models.names import model_not_found
 from . import openai_shapes as shapes
 from .handlers import Handlers
 from .http_options import is_loopback
-from .listener import bind_unix_socket
+from .listener import SocketFile, bind_unix_socket
 from .peer_auth import UNKNOWN, PeerCredentials, PeerPolicy, peer_credentials
 
 log = structlog.get_logger("prefixd.http")
@@ -47,6 +47,7 @@ class HttpFront:
     def __init__(self, app: web.Application, unix_path: Path | None, token: str | None, peer_policy: PeerPolicy, shutdown_timeout: float):
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
         self.unix_path = unix_path
+        self.socket_file: SocketFile | None = None  # what we bound at unix_path, the one file cleanup removes
         self.token = token
         self.peer_policy = peer_policy
         self.jobs: dict[int, GenerateJob] = {}  # in flight, by request number
@@ -66,8 +67,13 @@ class HttpFront:
     async def cleanup(self) -> None:
         """Stop listening, let running requests end within the shutdown timeout, remove the socket file."""
         await self.runner.cleanup()
-        if self.unix_path is not None:
-            self.unix_path.unlink(missing_ok=True)
+        self.remove_socket_file()
+
+    def remove_socket_file(self) -> None:
+        """Unlink the Unix socket file we bound, unless another process has bound that path since."""
+        if self.socket_file is not None:
+            self.socket_file.remove()
+            self.socket_file = None
 
 
 async def start_http_front(
@@ -98,7 +104,8 @@ async def start_http_front(
         if host is not None:
             await web.TCPSite(front.runner, host, port or 0).start()
         if path is not None:
-            await web.SockSite(front.runner, bind_unix_socket(path)).start()
+            sock, front.socket_file = bind_unix_socket(path)
+            await web.SockSite(front.runner, sock).start()
     except BaseException:
         await front.cleanup()
         raise

@@ -85,7 +85,8 @@ class DaemonServer:
             self.notifier.notify(STATUS=f"failed to load the models: {exc}")
             raise
         if inherited is None:
-            sock, activation = bind_unix_socket(path), "none"
+            # Remember which file we bound: at shutdown only that one is removed (see _remove_socket).
+            (sock, self._socket_file), activation = bind_unix_socket(path), "none"
             self._owns_socket_path = True
         else:
             sock, activation = inherited
@@ -123,6 +124,8 @@ class DaemonServer:
             log.warning("forced_exit", signal=signal.Signals(signum).name)
             self.notifier.notify(STOPPING=1, STATUS="forced exit")
             self._remove_socket()
+            if self.http_front is not None:
+                self.http_front.remove_socket_file()  # no cleanup() on this path: it would wait for requests
             os._exit(130)
         log.info("shutdown_requested", signal=signal.Signals(signum).name)
         self._stop_requested.set()
@@ -206,10 +209,8 @@ class DaemonServer:
     def _remove_socket(self) -> None:
         if not self._owns_socket_path:
             return  # systemd/launchd keep listening on it and start us again on demand
-        try:
-            os.unlink(self.settings.socket_path)
-        except FileNotFoundError:
-            pass
+        # Not by path: if our file was deleted and another daemon bound the path since, the file is its.
+        self._socket_file.remove()
 
     # -- the OpenAI-compatible HTTP front (opt-in: --http / --http-socket) ---------------
 
