@@ -1,25 +1,26 @@
-"""Prefix-store edges to disk entries and back. Engine thread only: every function makes MLX calls.
+"""Prefix-store edges to disk entries and back: the part that must run on the engine thread.
 
-``export_entries`` walks the store's edges and encodes those worth keeping
-that are not on disk yet; ``import_entries`` puts verified entries back into
-the store, parents first, as ``DiskKVSegment``s, so a reply can say its
-prefix came from disk. The files themselves are cache_dir.py's and format.py's.
+Only what has to be here is here, because the engine thread is also the one
+that decodes: ``list_edges`` (the store is the engine thread's), ``serialize_arrays``
+(MLX arrays to safetensors bytes) and ``import_entries`` (bytes back into MLX
+arrays and the store, as ``DiskKVSegment``s, so a reply can say its prefix came
+from disk). Entry ids, digests, what to keep, checksums and framing are
+export_plan.py's, on worker threads; the files are cache_dir.py's and format.py's.
 """
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterator
+from pathlib import Path
+from typing import Any, Collection
 
 import mlx.core as mx
 
 from ..cache import PrefixStore, StoredEdge
 from ..kv.layout import CacheLayout
 from ..kv.segments import KVSegment, StateSnapshot
-from .format import EntryHeader, encode_entry, entry_id, token_bytes, token_digest
-
-_HEADER_OVERHEAD = 1024  # per file, for the budget: magic, JSON, safetensors header
+from .format import EntryHeader, token_digest
 
 
 class DiskKVSegment(KVSegment):
@@ -36,82 +37,35 @@ class DiskKVSegment(KVSegment):
 # -- export ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Edge:
-    fingerprint: str
-    stored: StoredEdge
-    ident: str
-    parent: str | None  # None: hangs off the root
-    start_sha: str
+def list_edges(store: PrefixStore, fingerprints: Collection[str]) -> dict[str, list[StoredEdge]]:
+    """Every edge of these models' trees, parents first, as plain data.
 
-
-@dataclass
-class ExportBatch:
-    live: set[str]  # ids of every entry that should be on disk now
-    encoded: list[tuple[str, str, bytes]]  # (id, fingerprint, file bytes) of entries not on disk yet
-    complete: bool  # False: more new entries remain; call again
-
-
-def export_entries(store: PrefixStore, fingerprints: Collection[str], on_disk: Collection[str], max_bytes: int,
-                   max_batch_bytes: int, mlx_version: str) -> ExportBatch:
-    """Choose the edges to keep within ``max_bytes`` and encode up to ``max_batch_bytes`` of the new ones.
-
-    An edge is useful only with all its ancestors, so the choice runs from the
-    most recently used (ancestors are touched whenever a descendant is) and
-    skips an edge whose parent was not chosen.
+    One walk in one call, so the listing is one consistent tree: a walk
+    spread over several calls could see an edge split between them. The
+    payloads are references to the store's own immutable objects (a split
+    copies, see KVSegment.split), so they stay valid after the call.
     """
-    edges = [edge for fingerprint in fingerprints for edge in _walk(store, fingerprint)]
-    edges.sort(key=lambda e: (-e.stored.last_access, e.stored.depth))
-    live: set[str] = set()
-    total = 0
+    return {fingerprint: list(store.edges(fingerprint)) for fingerprint in fingerprints}
+
+
+def serialize_arrays(edges: list[StoredEdge]) -> list[bytes]:
+    """Each edge's arrays as one safetensors blob: k{i}, v{i} per attention layer, s{layer}.{j} per state.
+
+    The header that goes with it (which states are present) is
+    export_plan.snapshot_flags', computed from the same snapshot.
+    """
+    blobs = []
     for edge in edges:
-        size = edge.stored.nbytes + _HEADER_OVERHEAD
-        if (edge.parent is None or edge.parent in live) and total + size <= max_bytes:
-            live.add(edge.ident)
-            total += size
-    encoded, batch_bytes, complete = [], 0, True
-    for edge in edges:
-        if edge.ident not in live or edge.ident in on_disk:
-            continue
-        if batch_bytes >= max_batch_bytes:
-            complete = False
-            break
-        data = _encode(edge, mlx_version)
-        encoded.append((edge.ident, edge.fingerprint, data))
-        batch_bytes += len(data)
-    return ExportBatch(live, encoded, complete)
-
-
-def _walk(store: PrefixStore, fingerprint: str) -> Iterator[_Edge]:
-    """The namespace's edges with their entry ids (the store hands out parents first)."""
-    digests: dict[int, Any] = {}  # edge_id -> running digest of the tokens up to the edge's end
-    idents: dict[int, str] = {}
-    for stored in store.edges(fingerprint):
-        start_digest = digests[stored.parent_id] if stored.parent_id is not None else token_digest(())
-        digest = start_digest.copy()
-        digest.update(token_bytes(stored.key))
-        ident = entry_id(fingerprint, digest.hexdigest(), stored.start_depth, stored.kind, stored.snapshot is not None)
-        digests[stored.edge_id], idents[stored.edge_id] = digest, ident
-        parent = idents[stored.parent_id] if stored.parent_id is not None else None
-        yield _Edge(fingerprint, stored, ident, parent, start_digest.hexdigest())
-
-
-def _encode(edge: _Edge, mlx_version: str) -> bytes:
-    node = edge.stored
-    arrays = {}
-    for index, (keys, values) in enumerate(zip(node.segment.keys, node.segment.values)):
-        arrays[f"k{index}"], arrays[f"v{index}"] = keys, values
-    present = None
-    if node.snapshot is not None:
-        present = []
-        for layer, states in enumerate(node.snapshot.states):
-            present.append([state is not None for state in states])
-            arrays.update({f"s{layer}.{j}": state for j, state in enumerate(states) if state is not None})
-    buffer = io.BytesIO()
-    mx.save_safetensors(buffer, arrays)
-    header = EntryHeader(fingerprint=edge.fingerprint, mlx=mlx_version, start=node.start_depth, start_sha=edge.start_sha,
-                         key=list(node.key), kind=node.kind, snapshot=present, nbytes=node.nbytes)
-    return encode_entry(header, buffer.getvalue())
+        arrays = {}
+        for index, (keys, values) in enumerate(zip(edge.segment.keys, edge.segment.values)):
+            arrays[f"k{index}"], arrays[f"v{index}"] = keys, values
+        if edge.snapshot is not None:
+            for layer, states in enumerate(edge.snapshot.states):
+                arrays.update({f"s{layer}.{j}": state for j, state in enumerate(states) if state is not None})
+        buffer = io.BytesIO()
+        mx.save_safetensors(buffer, arrays)
+        blobs.append(buffer.getvalue())
+    return blobs
 
 
 # -- import ------------------------------------------------------------------------------------------
@@ -122,23 +76,43 @@ class _NamedBytes(io.BytesIO):
 
 
 @dataclass
+class ImportState:
+    """What the imports of one start-up load have done so far; every import call of that load shares it.
+
+    Read and written on the engine thread only, inside import_entries: the
+    background load and prefetches call it in any order, and since these calls
+    run one after another there, an entry is never imported twice.
+    """
+
+    known: dict[tuple[str, int, str], tuple[int, ...]] = field(default_factory=dict)  # node -> its tokens
+    tried: set[Path] = field(default_factory=set)  # entries imported, found bad or failed: not tried again
+
+
+@dataclass
 class ImportResult:
     num_imported: int = 0
     num_orphans: int = 0  # their parent was not imported (skipped, missing or over budget)
     budget_full: bool = False
-    bad: list[tuple[Any, str]] = field(default_factory=list)  # (path, reason)
+    imported: list[Path] = field(default_factory=list)
+    bad: list[tuple[Any, str]] = field(default_factory=list)  # (path, reason): the file is unusable
+    failed: list[tuple[Any, str]] = field(default_factory=list)  # (path, error): importing it raised
 
 
 def import_entries(store: PrefixStore, layouts: dict[str, CacheLayout], entries: list[tuple[EntryHeader, bytes]],
-                   known: dict[tuple[str, int, str], tuple[int, ...]]) -> ImportResult:
+                   state: ImportState) -> ImportResult:
     """Insert verified entries (parents first) into the store without evicting anything.
 
-    ``layouts`` maps a loaded model's fingerprint to its CacheLayout; ``known``
-    maps (fingerprint, depth, digest of the tokens) to the tokens imported so
-    far, and grows: pass the same dict to every batch.
+    ``layouts`` maps a loaded model's fingerprint to its CacheLayout. An entry
+    whose parent is not in ``state.known`` yet is an orphan; one already in
+    ``state.tried`` is passed over without a word. An entry that raises is
+    recorded in ``failed`` and the batch goes on: one unexpected entry must
+    not cost the rest of the cache.
     """
     result = ImportResult()
+    known = state.known
     for header, payload in entries:
+        if header.path in state.tried:
+            continue
         fingerprint = header.fingerprint
         known.setdefault((fingerprint, 0, token_digest(()).hexdigest()), ())
         prefix = known.get((fingerprint, header.start, header.start_sha))
@@ -148,16 +122,25 @@ def import_entries(store: PrefixStore, layouts: dict[str, CacheLayout], entries:
         if store.free_bytes < header.nbytes:
             result.budget_full = True  # the memory budget is full: the rest stays on disk
             break
+        state.tried.add(header.path)
         try:
             segment, snapshot = _decode(header, payload, layouts[fingerprint])
         except ValueError as exc:
             result.bad.append((header.path, str(exc)))
             continue
-        tokens = prefix + tuple(header.key)
-        checkpoints = {header.depth: (header.kind, snapshot)} if header.kind else {}
-        store.insert(fingerprint, tokens, header.start, segment, checkpoints)
-        known[(fingerprint, header.depth, token_digest(tokens).hexdigest())] = tokens
+        except Exception as exc:
+            result.failed.append((header.path, f"{type(exc).__name__}: {exc}"))
+            continue
+        try:  # the store may refuse what the file holds (say, a checkpoint kind a newer prefixd wrote)
+            tokens = prefix + tuple(header.key)
+            checkpoints = {header.depth: (header.kind, snapshot)} if header.kind else {}
+            store.insert(fingerprint, tokens, header.start, segment, checkpoints)
+            known[(fingerprint, header.depth, token_digest(tokens).hexdigest())] = tokens
+        except Exception as exc:
+            result.failed.append((header.path, f"{type(exc).__name__}: {exc}"))
+            continue
         result.num_imported += 1
+        result.imported.append(header.path)
     return result
 
 

@@ -96,7 +96,33 @@ def _parse_header(raw: bytes) -> EntryHeader:
         raise BadEntry(f"unreadable header ({exc})") from None
     if header.format != FORMAT_VERSION:
         raise BadEntry(f"format version {header.format}, this prefixd reads {FORMAT_VERSION}")
+    _check_field_types(header)
     return header
+
+
+def _check_field_types(header: EntryHeader) -> None:
+    """Fields of the wrong type are a bad entry here, not an exception deep inside an import later.
+
+    The checksum catches damage; this catches a header that some other
+    writer (or a bug) produced with a valid checksum but unusable fields.
+    """
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    snapshot = header.snapshot
+    usable = (whole(header.start) and whole(header.nbytes) and isinstance(header.start_sha, str)
+              and isinstance(header.fingerprint, str) and isinstance(header.mlx, str)
+              and isinstance(header.key, list) and len(header.key) > 0
+              and (header.kind is None or isinstance(header.kind, str))
+              and (snapshot is None or isinstance(snapshot, list) and all(
+                  isinstance(flags, list) and all(isinstance(flag, bool) for flag in flags) for flags in snapshot)))
+    if usable:
+        try:
+            token_bytes(header.key)  # u32 token ids, checked at C speed
+        except struct.error:
+            usable = False
+    if not usable:
+        raise BadEntry("header fields of the wrong type")
 
 
 def read_header(path: Path) -> EntryHeader:

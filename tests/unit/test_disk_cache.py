@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,8 +12,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from prefixd.daemon.persist.cache_dir import DiskCache
-from prefixd.daemon.persist.format import MAGIC, BadEntry, read_payload
-from prefixd.daemon.persist.entries import DiskKVSegment, export_entries, import_entries
+from prefixd.daemon.persist.disk_index import DiskIndex
+from prefixd.daemon.persist.format import MAGIC, BadEntry, encode_entry, read_header, read_payload
+from prefixd.daemon.persist.entries import DiskKVSegment, ImportState, import_entries, list_edges, serialize_arrays
+from prefixd.daemon.persist.export_plan import encode_entries, plan_export
 from prefixd.daemon.kv.layout import CacheLayout
 from prefixd.daemon.kv.segments import KVSegment, StateSnapshot, segments_source
 from prefixd.daemon.cache import PrefixStore
@@ -45,10 +48,18 @@ CHAT_A = SYSTEM + list(range(100, 130))
 CHAT_B = SYSTEM[:25] + list(range(200, 220))  # splits the system prompt's edge
 
 
-def save(store: PrefixStore, disk: DiskCache, max_bytes: int = 1 << 30):
-    batch = export_entries(store, [FP], set(disk.on_disk), max_bytes, 1 << 30, MLX)
-    disk.write(batch.encoded)
-    return batch
+@dataclass
+class Saved:
+    live: set[str]
+    encoded: list[tuple[str, str, bytes]]
+
+
+def save(store: PrefixStore, disk: DiskCache, max_bytes: int = 1 << 30) -> Saved:
+    """What Persistence.save does, on one thread: list, plan, serialize, frame, write."""
+    plan = plan_export(list_edges(store, [FP]), set(disk.on_disk), max_bytes)
+    encoded = encode_entries(plan.new, serialize_arrays([edge.stored for edge in plan.new]), MLX)
+    disk.write(encoded)
+    return Saved(plan.live, encoded)
 
 
 def load(disk: DiskCache, store: PrefixStore, layout=LLAMA):
@@ -59,7 +70,7 @@ def load(disk: DiskCache, store: PrefixStore, layout=LLAMA):
             entries.append((header, read_payload(header)))
         except BadEntry as exc:
             disk.report_bad(header.path, str(exc))
-    return scan, import_entries(store, {FP: layout}, entries, {})
+    return scan, import_entries(store, {FP: layout}, entries, ImportState())
 
 
 @pytest.fixture
@@ -250,3 +261,76 @@ def test_split_disk_segments_stay_disk_segments():
     head, tail = disk_segment.split(4)
     assert isinstance(head, DiskKVSegment) and isinstance(tail, DiskKVSegment)
     assert head.nbytes + tail.nbytes == disk_segment.nbytes
+
+
+def test_a_header_with_fields_of_the_wrong_type_is_a_bad_entry(disk):
+    store = make_store()
+    tokens = list(range(1, 21))
+    store.insert(FP, tokens, 0, segment(tokens), {})
+    (ident,) = save(store, disk).live
+    path = disk.on_disk[ident]
+    header = read_header(path)
+    payload = read_payload(header)
+    header.key = [1, -2, 3]  # no u32 token id; the checksum is recomputed, so only the check can tell
+    path.write_bytes(encode_entry(header, payload))
+    with capture_logs() as logs:
+        assert DiskCache(disk.root, 1 << 30, MLX).scan({FP}).headers == []
+    assert [e["reason"] for e in logs if e["event"] == "disk_cache_entry_skipped"] == ["header fields of the wrong type"]
+
+
+def test_an_entry_is_imported_once_whichever_batch_brings_it(disk):
+    store = make_store()
+    store.insert(FP, CHAT_A, 0, segment(CHAT_A), {40: ("message", None)})
+    save(store, disk)
+    headers = disk.scan({FP}).headers
+    entries = [(header, read_payload(header)) for header in headers]
+    restarted, state = make_store(), ImportState()
+    first = import_entries(restarted, {FP: LLAMA}, entries, state)  # say, a prefetch
+    again = import_entries(restarted, {FP: LLAMA}, entries, state)  # the background load's batch
+    assert first.num_imported == 2 and first.imported == [h.path for h in headers]
+    assert again.num_imported == 0 and again.num_orphans == 0 and not again.bad
+    assert restarted.stats().total.num_nodes == 2
+
+
+def headers_of(disk: DiskCache) -> dict[tuple[int, int], object]:
+    return {(h.start, h.depth): h for h in disk.scan({FP}).headers}
+
+
+def test_the_index_walks_a_prompt_down_the_entries_it_starts_with(disk):
+    store = make_store()
+    store.insert(FP, CHAT_A, 0, segment(CHAT_A), {40: ("message", None), 70: ("prompt-end", None)})
+    store.insert(FP, CHAT_B, 25, segment(CHAT_B[25:]), {})
+    save(store, disk)
+    by_span = headers_of(disk)
+    index = DiskIndex(by_span.values())
+    spans = lambda found: [(h.start, h.depth) for h in found]  # noqa: E731
+    assert spans(index.along(FP, CHAT_A + [5, 6], partial_edges=True)) == [(0, 25), (25, 40), (40, 70)]
+    assert spans(index.along(FP, CHAT_B, partial_edges=True)) == [(0, 25), (25, 45)]
+    # A prompt that leaves an edge midway: attention models can use its head, hybrid ones cannot.
+    left_midway = CHAT_A[:55] + [999]
+    assert spans(index.along(FP, left_midway, partial_edges=True)) == [(0, 25), (25, 40), (40, 70)]
+    assert spans(index.along(FP, left_midway, partial_edges=False)) == []  # no snapshot anywhere
+    assert index.along(FP, [999] + CHAT_A, partial_edges=True) == []
+    assert index.along("another-model", CHAT_A, partial_edges=True) == []
+
+
+def test_the_index_follows_a_stale_unsplit_file_beside_its_split_halves(disk):
+    store = make_store()
+    store.insert(FP, CHAT_A, 0, segment(CHAT_A), {70: ("prompt-end", None)})
+    save(store, disk)  # one edge, 0..70
+    store.insert(FP, CHAT_B, 25, segment(CHAT_B[25:]), {})
+    save(store, disk)  # its halves 0..25, 25..70 and the branch; the old file stays (no prune: a kill -9)
+    index = DiskIndex(headers_of(disk).values())
+    found = [(h.start, h.depth) for h in index.along(FP, CHAT_A + [1], partial_edges=True)]
+    assert sorted(found) == [(0, 25), (0, 70), (25, 70)]
+
+
+def test_for_a_hybrid_model_the_walk_ends_at_the_last_snapshot(disk):
+    store = make_store()
+    tokens = list(range(1, 49))
+    store.insert(FP, tokens, 0, segment(tokens, layers=1), {16: ("chunk", snapshot(1.0)), 32: ("chunk", None),
+                                                               48: ("prompt-end", None)})
+    save(store, disk)
+    index = DiskIndex(headers_of(disk).values())
+    assert [(h.start, h.depth) for h in index.along(FP, tokens + [1], partial_edges=False)] == [(0, 16)]
+    assert len(index.along(FP, tokens + [1], partial_edges=True)) == 3
