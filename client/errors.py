@@ -82,6 +82,12 @@ class PinBudgetExceeded(PrefixdError):
     code_enum = ErrorCode.PIN_BUDGET_EXCEEDED
 
 
+class EngineDead(PrefixdError):
+    """The daemon's engine failed beyond recovery and the daemon is exiting; retry once it is back."""
+
+    code_enum = ErrorCode.ENGINE_DEAD
+
+
 _BY_CODE: dict[int, type[PrefixdError]] = {
     int(cls.code_enum): cls for cls in PrefixdError.__subclasses__() if cls.code_enum is not None
 }

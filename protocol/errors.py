@@ -26,6 +26,7 @@ class ErrorCode(IntEnum):
     MESSAGE_TOO_LARGE = -32006  # a message above MAX_MESSAGE_BYTES; the connection is closed after
     NOT_CACHED = -32007  # cache.pin of a prompt that is not in the store
     PIN_BUDGET_EXCEEDED = -32008
+    ENGINE_DEAD = -32009  # the engine thread failed beyond recovery; the daemon is exiting (retry after its restart)
 
 
 class RpcError(Exception):

@@ -124,6 +124,19 @@ class PrefixStore:
                      age_s=now - last.stored_at if last else None,
                      hit=hit, reason=reason, lease=Lease(last))
 
+    def lease(self, namespace: str, tokens) -> Lease:
+        """Lock what is stored along ``tokens`` (its deepest node and the ancestors) until release().
+
+        For a sequence being prefilled: what it stored so far must survive
+        until it is done, or its next chunks would have nothing to hang from.
+        Counts no lookup.
+        """
+        ns = self._namespaces.get(namespace)
+        path = walk(ns.root, tuple(tokens))[0] if ns is not None else []
+        node = path[-1] if path else None
+        self.budget.lock(node)
+        return Lease(node)
+
     def release(self, lease: Lease) -> None:
         """Unlock what a match locked. Releasing twice is a bug and raises."""
         if lease.released:
@@ -366,6 +379,19 @@ class PrefixStore:
     def evict(self, num_bytes: int) -> int:
         """Evict unlocked, unpinned leaves until num_bytes are freed; return bytes freed."""
         return self.budget.evict(num_bytes)
+
+    def set_capacity(self, max_bytes: int) -> int:
+        """From now on hold at most ``max_bytes`` (the rest of the budget is lent to running sequences).
+
+        Evicts down to it as far as locks and pins allow, and returns the
+        capacity in force: ``max_bytes``, or what could not be evicted if that
+        is more. Inserts then cut off at the capacity, as at any budget.
+        """
+        target = max(0, max_bytes)
+        if self.budget.total.num_bytes > target:
+            self.budget.evict(self.budget.total.num_bytes - target)
+        self.budget.max_bytes = max(target, self.budget.total.num_bytes)
+        return self.budget.max_bytes
 
     def drop_namespace(self, namespace: str) -> None:
         """Forget a namespace, pins and leases included (releasing those still works)."""

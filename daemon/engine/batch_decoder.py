@@ -13,8 +13,9 @@ from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from .faults import fault_point
 from .sequence_state import SequenceState
 
 # Generous ceilings: admission (scheduler.py) is what limits the batch.
@@ -32,15 +33,42 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+# Below this temperature sampling is argmax in all but name, and dividing the
+# logits by it overflows float32 (1e-300 gave random text): such requests are greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-4
+
+
 def sampler_for(seq: SequenceState) -> Callable[[mx.array], mx.array]:
-    """The sequence's own sampler (greedy unless it asked for a temperature), seeded once."""
+    """The sequence's own sampler: greedy, seeded (its own random key), or from the global generator."""
     if seq.sampler is None:
         params = seq.params
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        seq.sampler = greedy if params.temperature == 0 else make_sampler(
-            params.temperature, params.top_p if params.top_p < 1 else 0.0)
+        top_p = params.top_p if params.top_p < 1 else 0.0
+        if params.temperature < MIN_SAMPLING_TEMPERATURE:
+            seq.sampler = greedy
+        elif params.seed is not None:
+            seq.sampler = seeded_sampler(params.temperature, top_p, params.seed)
+        else:
+            seq.sampler = make_sampler(params.temperature, top_p)
     return seq.sampler
+
+
+def seeded_sampler(temperature: float, top_p: float, seed: int) -> Callable[[mx.array], mx.array]:
+    """Sampling from a key of its own, split once per token.
+
+    The same seed gives the same tokens whatever else runs in the batch, and
+    seeding one request never touches MLX's global random state that every
+    other sampling request draws from.
+    """
+    key = mx.random.key(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, step_key = mx.random.split(key)
+        if top_p:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1 / temperature), key=step_key)
+
+    return sample
 
 
 def sample_first(seq: SequenceState, logits: mx.array) -> int:
@@ -88,6 +116,7 @@ class BatchDecoder:
 
     def step(self) -> list[StepEvent]:
         """One decode step for every sequence in the batch."""
+        fault_point("decode_step")
         events = []
         _, responses = self._generator.next()
         for response in responses:
@@ -99,6 +128,9 @@ class BatchDecoder:
                 del self._by_uid[response.uid]
             events.append(StepEvent(seq, int(response.token), finished, response.prompt_cache))
         return events
+
+    def holds(self, seq: SequenceState) -> bool:
+        return self._by_uid.get(seq.uid) is seq
 
     def remove(self, seq: SequenceState) -> list[Any] | None:
         """Take a sequence out of the batch (stop string, cancel); returns its cache."""

@@ -1,4 +1,4 @@
-"""The engine's quick calls (tokenize, pin, stats, models), run on the engine thread between steps.
+"""The engine's quick calls (pin, stats, models), run on the engine thread between steps.
 
 The front reaches them through ``engine.call(engine.controls.<name>)``: each
 reads or changes engine state that only the engine thread may touch.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
 from ...protocol.errors import ErrorCode, RpcError
-from ...protocol.methods import PromptInput
 from ..cache import NotStored, PinBudgetExceeded
 
 if TYPE_CHECKING:
@@ -21,16 +22,10 @@ class ControlCalls:
     def __init__(self, engine: "Engine"):
         self.engine = engine
 
-    def tokenize(self, prompt: PromptInput, model: str | None) -> dict[str, Any]:
+    def pin_tokens(self, model: str, tokens: list[int], pinned: bool) -> dict[str, Any]:
+        """Pin (or unpin) a prompt's stored prefix: the store keeps a prompt's first len-1 tokens."""
         loaded = self.engine.model_for(model)
-        encoded = loaded.encode(prompt)
-        return {"tokens": encoded.tokens, "num_tokens": len(encoded.tokens), "model": loaded.name, "text": encoded.text}
-
-    def pin(self, prompt: PromptInput, model: str | None, pinned: bool) -> dict[str, Any]:
-        loaded = self.engine.model_for(model)
-        tokens = loaded.encode(prompt).tokens
-        # The store keeps a prompt's first len-1 tokens (the last one always runs).
-        tokens = tokens[:-1] if len(tokens) > 1 else tokens
+        tokens = tokens[:-1] if len(tokens) > 1 else tokens  # the last token always runs
         store = self.engine.store
         try:
             result = store.pin(loaded.fingerprint, tokens) if pinned else store.unpin(loaded.fingerprint, tokens)
@@ -51,8 +46,13 @@ class ControlCalls:
                 "total": _plain(store_stats.total),
                 "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
             },
-            "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1)} for name, m in engine.models.items()},
-            "process": {"peak_rss_bytes": peak_rss_bytes()},
+            "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1), "weight_bytes": m.weight_bytes}
+                       for name, m in engine.models.items()},
+            "process": {
+                "peak_rss_bytes": peak_rss_bytes(),
+                # What MLX holds now: the weights, the prefix store, the running sequences' KV, temporaries.
+                "mlx_active_bytes": mx.get_active_memory(),
+            },
         }
 
     def describe_models(self) -> list[dict[str, Any]]:

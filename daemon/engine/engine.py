@@ -15,17 +15,42 @@ from typing import Any, Callable, TypeVar
 
 import structlog
 
+from ...protocol.errors import ErrorCode, RpcError
 from ..cache import PrefixStore
-from ..models.loaded_model import LoadedModel, load_model
+from ..models.loaded_model import LoadedModel, ModelCard, load_model
 from ..models.names import model_not_found
 from .control_calls import ControlCalls, peak_rss_bytes
+from .faults import fault_point
 from .inbox import Inbox
-from .jobs import GenerateJob
-from .scheduler import Scheduler
+from .jobs import FAILED, GenerateJob
+from .scheduler import Scheduler, internal_error
 from .settings import EngineSettings
 
 T = TypeVar("T")
 log = structlog.get_logger("prefixd.engine")
+
+# Failures in a row, each already answered by failing every running request,
+# after which the engine stops trying: something is broken beyond one batch.
+MAX_FAILED_ITERATIONS = 3
+
+
+class ControlCall:
+    """A call the front wants run on the engine thread; settles the front's future either way."""
+
+    def __init__(self, fn: Callable[[], Any], settle: Callable[[bool, Any], None]):
+        self.fn = fn
+        self.settle = settle
+
+    def __call__(self) -> None:
+        try:
+            fault_point("control")
+            value, ok = self.fn(), True
+        except BaseException as exc:  # handed to the caller, not raised here
+            value, ok = exc, False
+        self.settle(ok, value)
+
+    def fail(self, err: BaseException) -> None:
+        self.settle(False, err)
 
 
 class Engine:
@@ -36,6 +61,7 @@ class Engine:
         self.inbox = Inbox(settings.max_queued, settings.max_queued_per_client)
         self.models: dict[str, LoadedModel] = {}
         self.model_names: tuple[str, ...] = ()  # read by the front: plain strings only
+        self.cards: dict[str, ModelCard] = {}  # read by the front: names, fingerprints, encoders
         self.default_model: str | None = None
         self.store: PrefixStore | None = None  # set once the models are loaded
         self.scheduler: Scheduler | None = None
@@ -44,6 +70,8 @@ class Engine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._stopping = threading.Event()
+        self.dead_reason: str | None = None  # set once, when the engine gives up
+        self.on_dead: Callable[[str], None] | None = None  # called on the engine thread; must be thread-safe
         self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
 
     # -- lifecycle (front side) ---------------------------------------------------
@@ -61,7 +89,10 @@ class Engine:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
-        self.inbox.put_control(lambda: None)  # wake the thread
+        try:
+            self.inbox.put_control(lambda: None)  # wake the thread
+        except RpcError:
+            pass  # it is gone already
         self._thread.join(timeout)
 
     @property
@@ -71,26 +102,37 @@ class Engine:
     # -- requests (front side) ----------------------------------------------------
 
     def submit(self, job: GenerateJob) -> None:
+        """Queue a job; raises OVERLOADED, SHUTTING_DOWN or ENGINE_DEAD at once when it cannot be."""
         self.inbox.put_job(job)
+
+    def cancel(self, job: GenerateJob) -> None:
+        """Cancel a job: a queued one is answered CANCELLED at once and gives its place in line back."""
+        job.cancel()
+        self.inbox.drop_cancelled(job.client_id)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread (between decode steps) and await its result."""
+        if self.dead_reason is not None:
+            raise self.dead_error()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def settle(ok: bool, value: Any) -> None:
+        def resolve(ok: bool, value: Any) -> None:
             if not future.done():
                 future.set_result(value) if ok else future.set_exception(value)
 
-        def run() -> None:
+        def settle(ok: bool, value: Any) -> None:  # on the engine thread
             try:
-                value, ok = fn(), True
-            except BaseException as exc:  # handed to the caller, not raised here
-                value, ok = exc, False
-            loop.call_soon_threadsafe(settle, ok, value)
+                loop.call_soon_threadsafe(resolve, ok, value)
+            except RuntimeError:
+                pass  # the loop is gone: the daemon is exiting
 
-        self.inbox.put_control(run)
+        self.inbox.put_control(ControlCall(fn, settle))
         return await future
+
+    def dead_error(self) -> RpcError:
+        return RpcError(ErrorCode.ENGINE_DEAD, f"the engine has stopped ({self.dead_reason}); "
+                                               "the daemon is exiting and its service manager restarts it")
 
     # -- engine thread ----------------------------------------------------------------
 
@@ -102,17 +144,76 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
+        reason = "the engine thread ended"
+        try:
+            reason = self._serve()
+        except BaseException as exc:  # a bug in the supervision itself: still nobody may wait forever
+            log.critical("engine_thread_failed", exc_info=True)
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            if not self._stopping.is_set():
+                self._die(reason)
+
+    def _serve(self) -> str:
+        """The loop, supervised: a failure fails the requests it touched and the engine goes on.
+
+        Failures inside a request's own steps are the scheduler's to answer
+        (that request fails, the rest carry on). What escapes to here fails
+        every running request and starts from a clean scheduler; after
+        MAX_FAILED_ITERATIONS in a row the engine gives up: returns why.
+        """
+        num_failed_in_a_row = 0
         while not self._stopping.is_set():
-            self.poll_controls()
-            self._admit_jobs()
-            if self.scheduler.has_work:
-                self.scheduler.step()
-                continue
-            item = self.inbox.take(timeout=0.25)  # idle: sleep until something arrives
-            if isinstance(item, GenerateJob):
-                self._held_job = item
-            elif item is not None:
-                item()
+            try:
+                self._iterate()
+                num_failed_in_a_row = 0
+            except Exception as exc:
+                num_failed_in_a_row += 1
+                log.error("engine_step_failed", failures_in_a_row=num_failed_in_a_row,
+                          active=len(self.scheduler.active), exc_info=True)
+                self._fail_running(internal_error(exc, "the engine failed while running this request"))
+                if num_failed_in_a_row >= MAX_FAILED_ITERATIONS:
+                    return f"{num_failed_in_a_row} failures in a row, the last {type(exc).__name__}: {exc}"
+        return "stopped"
+
+    def _iterate(self) -> None:
+        if self._held_job is not None or self.scheduler.has_work or self.inbox.has_jobs:
+            fault_point("loop")  # while there is work: an idle engine has nothing to fail on
+        self.poll_controls()
+        self._admit_jobs()
+        if self.scheduler.has_work:
+            self.scheduler.step()
+            return
+        item = self.inbox.take(timeout=0.25)  # idle: sleep until something arrives
+        if isinstance(item, GenerateJob):
+            self._held_job = item
+        elif item is not None:
+            item()
+
+    def _fail_running(self, err: RpcError) -> None:
+        """Fail what was running; a job still waiting for admission was not touched and keeps its turn."""
+        self.scheduler.fail_all(err)
+
+    def _die(self, reason: str) -> None:
+        """Give up: every waiting and later request gets ENGINE_DEAD at once; the owner is told."""
+        self.dead_reason = reason
+        log.critical("engine_dead", reason=reason, action="failing every request; the daemon exits")
+        err = self.dead_error()
+        for job in self.inbox.close(err):
+            job.emit(FAILED, err)
+        for call in self.inbox.drain_controls(err):
+            if isinstance(call, ControlCall):
+                call.fail(err)
+        if self._held_job is not None:
+            job, self._held_job = self._held_job, None
+            job.emit(FAILED, err)
+        try:
+            if self.scheduler is not None:
+                self._fail_running(err)
+        except Exception:
+            log.exception("engine_dead_cleanup_failed")
+        if self.on_dead is not None:
+            self.on_dead(reason)
 
     def _admit_jobs(self) -> None:
         scheduler = self.scheduler
@@ -145,6 +246,7 @@ class Engine:
             )
             if not loaded.layout.is_supported:
                 log.warning("prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache")
+        self.cards = {name: loaded.card() for name, loaded in self.models.items()}
         self.model_names = tuple(self.models)
         self.default_model = self.model_names[0] if self.model_names else None
         self.store = PrefixStore(

@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from ...protocol.errors import ErrorCode, RpcError
-from .jobs import GenerateJob
+from .jobs import FAILED, GenerateJob
 
 
 class Inbox:
@@ -25,29 +25,70 @@ class Inbox:
         self._controls: deque[Callable[[], Any]] = deque()
         self._per_client: OrderedDict[str, deque[GenerateJob]] = OrderedDict()
         self._num_queued = 0
-        self._closed = False
+        self._closed_error: RpcError | None = None  # what a put_job gets once closed
+        self._controls_error: RpcError | None = None  # what a put_control gets once the engine is gone
 
     def put_job(self, job: GenerateJob) -> None:
-        """Queue a generate job, or raise OVERLOADED / SHUTTING_DOWN at once."""
+        """Queue a generate job, or raise OVERLOADED / SHUTTING_DOWN / ENGINE_DEAD at once."""
         with self._lock:
-            if self._closed:
-                raise RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            self._check_room(job.client_id)
             queue = self._per_client.get(job.client_id)
-            if self._num_queued >= self.max_queued:
-                raise RpcError(ErrorCode.OVERLOADED, f"{self._num_queued} requests already queued (limit {self.max_queued}); retry later")
-            if queue is not None and len(queue) >= self.max_queued_per_client:
-                raise RpcError(
-                    ErrorCode.OVERLOADED,
-                    f"this connection already has {len(queue)} requests queued (limit {self.max_queued_per_client})",
-                )
             if queue is None:
                 queue = self._per_client[job.client_id] = deque()
             queue.append(job)
             self._num_queued += 1
             self._lock.notify()
 
-    def put_control(self, call: Callable[[], Any]) -> None:
+    @property
+    def has_jobs(self) -> bool:
+        return self._num_queued > 0  # a plain read: a stale answer costs one loop iteration
+
+    def check_room(self, client_id: str) -> None:
+        """Raise what put_job would raise for this client now (OVERLOADED, SHUTTING_DOWN, ENGINE_DEAD)."""
         with self._lock:
+            self._check_room(client_id)
+
+    def _check_room(self, client_id: str) -> None:
+        if self._closed_error is not None:
+            raise _fresh(self._closed_error)
+        self._drop_cancelled(client_id)
+        queue = self._per_client.get(client_id)
+        if self._num_queued >= self.max_queued:
+            self._drop_cancelled(None)
+        if self._num_queued >= self.max_queued:
+            raise RpcError(ErrorCode.OVERLOADED, f"{self._num_queued} requests already queued (limit {self.max_queued}); retry later")
+        if queue is not None and len(queue) >= self.max_queued_per_client:
+            raise RpcError(
+                ErrorCode.OVERLOADED,
+                f"this connection already has {len(queue)} requests queued (limit {self.max_queued_per_client})",
+            )
+
+    def drop_cancelled(self, client_id: str) -> None:
+        with self._lock:
+            self._drop_cancelled(client_id)
+
+    def _drop_cancelled(self, client_id: str | None) -> None:
+        """Answer and forget queued jobs that were cancelled (one client's, or everyone's): they hold no place in line."""
+        clients = [client_id] if client_id is not None else list(self._per_client)
+        for client in clients:
+            queue = self._per_client.get(client)
+            if not queue or not any(job.cancelled.is_set() for job in queue):
+                continue
+            kept = deque(job for job in queue if not job.cancelled.is_set())
+            for job in queue:
+                if job.cancelled.is_set():
+                    job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
+            self._num_queued -= len(queue) - len(kept)
+            if kept:
+                self._per_client[client] = kept
+            else:
+                del self._per_client[client]
+
+    def put_control(self, call: Callable[[], Any]) -> None:
+        """Queue a control call; raises once the engine is gone (drain_controls), so no caller waits forever."""
+        with self._lock:
+            if self._controls_error is not None:
+                raise _fresh(self._controls_error)
             self._controls.append(call)
             self._lock.notify()
 
@@ -80,19 +121,34 @@ class Inbox:
             self._per_client[client_id] = queue
         return job
 
-    def close(self) -> list[GenerateJob]:
-        """Refuse new jobs; return the queued ones so the caller can fail them."""
+    def close(self, error: RpcError | None = None) -> list[GenerateJob]:
+        """Refuse new jobs with ``error`` (default SHUTTING_DOWN); return the queued ones so the caller can fail them."""
         with self._lock:
-            self._closed = True
+            if self._closed_error is None:
+                self._closed_error = error or RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
             jobs = [job for queue in self._per_client.values() for job in queue]
             self._per_client.clear()
             self._num_queued = 0
             self._lock.notify_all()
             return jobs
 
+    def drain_controls(self, error: RpcError) -> list[Callable[[], Any]]:
+        """The engine is gone: refuse later control calls with ``error``; return the pending ones to fail."""
+        with self._lock:
+            self._controls_error = error
+            calls = list(self._controls)
+            self._controls.clear()
+            return calls
+
     def counts(self) -> dict[str, Any]:
         with self._lock:
+            self._drop_cancelled(None)
             return {
                 "queued": self._num_queued,
                 "queued_per_client": {client: len(q) for client, q in self._per_client.items()},
             }
+
+
+def _fresh(err: RpcError) -> RpcError:
+    """A new exception object per raise: one shared instance would collect every caller's traceback."""
+    return RpcError(err.code, err.message, err.data)

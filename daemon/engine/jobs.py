@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...protocol.methods import GenerateParams
+from ..models.prompt_encoding import EncodedPrompt
 
 _job_counter = itertools.count(1)
 
@@ -34,6 +35,7 @@ class GenerateJob:
     params: GenerateParams
     emit: Callable[[str, Any], None]
     warm_only: bool = False
+    encoded: EncodedPrompt | None = None  # the prompt as the front encoded it (else the engine encodes it)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     job_id: int = field(default_factory=lambda: next(_job_counter))

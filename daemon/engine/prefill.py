@@ -11,6 +11,7 @@ Engine thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..kv.fork import capture_segment, capture_snapshot, fork_cache
 from ..kv.segments import segments_source
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
+from .faults import fault_point
 from .jobs import GenerateJob
 from .sequence_state import Phase, SequenceState
 
@@ -44,9 +46,21 @@ def plan_prefill(start: int, end: int, chunk_size: int, prompt: EncodedPrompt) -
 
 
 def make_sequence(job: GenerateJob, loaded: LoadedModel) -> SequenceState:
-    """Encode and check the prompt; raises RpcError for a bad one."""
-    prompt = loaded.encode(job.params.prompt)
-    loaded.check_length(len(prompt.tokens), generates=not job.warm_only)
+    """The engine's state for a job; raises RpcError for a prompt that does not fit.
+
+    The fronts encode prompts on worker threads (job.encoded); a job that
+    comes without (the inline runner) is encoded here. ``max_tokens`` is cut
+    to what the context has room for after the prompt.
+    """
+    generates = not job.warm_only
+    prompt = job.encoded
+    if prompt is None:
+        prompt = loaded.encode(job.params.prompt, generates)
+    else:
+        loaded.encoder.check_length(len(prompt.tokens), generates)
+    room = loaded.context_length - len(prompt.tokens)
+    if generates and job.params.max_tokens > room:
+        job.params = dataclasses.replace(job.params, max_tokens=room)
     return SequenceState(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)))
 
 
@@ -81,6 +95,7 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.phase = Phase.PREFILL
     seq.prefill_started_at = time.monotonic()
+    fault_point("start_prefill")
 
 
 def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool) -> list[tuple[int, str]]:
@@ -109,6 +124,7 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int)
     its own; a hybrid model needs the pass to end at the checkpoint for its
     snapshot, and runs the last token in ``last_token_logits``.
     """
+    fault_point("prefill")
     layout = seq.loaded.layout
     stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid)
     depth = stops[-1][0]
@@ -141,9 +157,16 @@ def store_progress(seq: SequenceState, store: PrefixStore | None, cache: list[An
         seq.checkpoints.clear()
         return
     segment = capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth)
-    checkpoints = {d: c for d, c in seq.checkpoints.items() if d <= depth}
+    checkpoints = {d: c for d, c in seq.checkpoints.items() if 0 < d <= depth}
     result = store.insert(seq.loaded.fingerprint, tokens, seq.stored_upto, segment, checkpoints)
     seq.report.stored_tokens += result.stored_tokens
     seq.stored_upto = depth
     seq.checkpoints.clear()
+    # The lease moves down with the prefill: what this sequence stored must
+    # survive until it is done, so its next chunks have a parent to hang from
+    # and requests waiting on this prefill get the reuse they waited for.
+    lease = store.lease(seq.loaded.fingerprint, tokens)
+    if seq.lease is not None:
+        store.release(seq.lease)
+    seq.lease = lease
 

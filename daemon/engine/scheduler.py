@@ -26,6 +26,7 @@ from ..common_prefix import common_prefix_length
 from ..kv.fork import capture_snapshot
 from ..models.loaded_model import LoadedModel
 from .batch_decoder import BatchDecoder, sample_first
+from .faults import fault_point
 from .jobs import FAILED, GenerateJob
 from .prefill import last_token_logits, make_sequence, prefill_step, start_prefill, store_progress
 from .sequence_state import Phase, SequenceState
@@ -65,39 +66,69 @@ class Scheduler:
             self.counters["cancelled"] += 1
             job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
             return True
+        seq = None
         try:
+            fault_point("admit")
             loaded = self.resolve_model(job.params.model)
             seq = make_sequence(job, loaded)
             if not self._reserve_memory(seq):
                 return False
             self._start(seq)
         except RpcError as err:
-            self.counters["failed"] += 1
-            job.emit(FAILED, err)
+            self._fail_admission(job, seq, err)
         except Exception as exc:  # one bad request must not take the engine down
-            self.counters["failed"] += 1
             log.exception("admission_failed", request_id=job.request_id)
-            job.emit(FAILED, RpcError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+            self._fail_admission(job, seq, internal_error(exc))
         return True
 
+    def _fail_admission(self, job: GenerateJob, seq: SequenceState | None, err: RpcError) -> None:
+        """A job that failed on its way in gives back what it took: its slot, its lease."""
+        if seq is not None:
+            self._fail(seq, err)
+            return
+        self.counters["failed"] += 1
+        job.emit(FAILED, err)
+
     def _reserve_memory(self, seq: SequenceState) -> bool:
-        """The decode batch's KV and the prefix store share one budget."""
-        per_token = seq.loaded.kv_bytes_per_token
-        seq.kv_bytes_estimate = per_token * (len(seq.tokens) + (0 if seq.job.warm_only else seq.params.max_tokens))
+        """Running sequences and the prefix store share one budget, and it holds at every moment.
+
+        Each sequence reserves what its KV can grow to; the store's capacity
+        is the budget minus every reservation (store.set_capacity evicts down
+        to it), so inserts during prefill and answer stores cannot push the
+        sum past ``kv_budget_bytes``.
+        """
+        seq.kv_bytes_estimate = _sequence_bytes(seq)
         if seq.kv_bytes_estimate > self.kv_budget_bytes:
             raise RpcError(
                 ErrorCode.OVERLOADED,
                 f"this request needs about {seq.kv_bytes_estimate >> 20} MiB of KV cache; the budget is "
                 f"{self.kv_budget_bytes >> 20} MiB (--cache-bytes); lower max_tokens or shorten the prompt",
             )
-        in_use = sum(s.kv_bytes_estimate for s in self.active)
-        if in_use + seq.kv_bytes_estimate > self.kv_budget_bytes and self.active:
+        reserved = self._reserved_bytes(extra=seq)
+        if reserved > self.kv_budget_bytes and self.active:
             return False
-        if self.store is not None:
-            excess = self.store.num_bytes + in_use + seq.kv_bytes_estimate - self.kv_budget_bytes
-            if excess > 0:
-                self.store.evict(excess)
+        self._lend_to_running(reserved)
         return True
+
+    def _reserved_bytes(self, extra: SequenceState | None = None) -> int:
+        """What the running sequences' KV may grow to, batch padding included.
+
+        A model's decode batch pads every row to its longest, so its rows are
+        counted at the longest row's size each, plus each row's state layers.
+        """
+        by_model: dict[str, list[SequenceState]] = {}
+        for seq in self.active + ([extra] if extra is not None else []):
+            by_model.setdefault(seq.loaded.name, []).append(seq)
+        total = 0
+        for rows in by_model.values():
+            loaded = rows[0].loaded
+            longest = max(_reserved_tokens(seq) for seq in rows)
+            total += len(rows) * (longest * loaded.kv_bytes_per_token + loaded.state_bytes_per_sequence)
+        return total
+
+    def _lend_to_running(self, reserved: int) -> None:
+        if self.store is not None:
+            self.store.set_capacity(self.kv_budget_bytes - reserved)
 
     def _start(self, seq: SequenceState) -> None:
         self.active.append(seq)
@@ -196,7 +227,8 @@ class Scheduler:
 
     def _hand_tail_to_batch(self, seq: SequenceState) -> None:
         seq.plan.clear()
-        seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
+        if len(seq.tokens) > 1:  # a 1-token prompt has no prompt-end depth to store
+            seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
         seq.phase = Phase.DECODE
         self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
 
@@ -219,6 +251,7 @@ class Scheduler:
         next batch step, and no second pass at a long context (on an attention
         model the last prefill pass already gave these logits).
         """
+        fault_point("first_token")
         if logits is None:
             logits = last_token_logits(seq)
         token = sample_first(seq, logits)
@@ -232,21 +265,42 @@ class Scheduler:
     def _decode_step(self, decoder: BatchDecoder) -> None:
         try:
             events = decoder.step()
-        except Exception:
-            log.exception("decode_step_failed")
-            for seq in [s for s in self.active if s.phase is Phase.DECODE and self._decoders.get(s.loaded.name) is decoder]:
-                self._fail(seq, RpcError(ErrorCode.INTERNAL, "the decode step failed; see the daemon log"))
-            self._decoders.pop(next(k for k, v in self._decoders.items() if v is decoder), None)
+        except Exception as exc:
+            log.exception("decode_step_failed", num_rows=len(decoder))
+            self._drop_decoder(decoder, internal_error(exc, "the decode step failed"))
             return
         for event in events:
             seq = event.seq
-            stopped = seq.on_token(event.token)
-            if event.done_by_batch:
-                reason = FINISH_STOP if event.token in seq.loaded.eos_token_ids else FINISH_LENGTH
-                self._finish(seq, event.cache, FINISH_STOP if stopped else reason)
-            elif stopped or seq.is_cancelled:
-                cache = decoder.remove(seq)
-                self._finish(seq, cache, FINISH_STOP if stopped else FINISH_CANCELLED)
+            try:
+                fault_point("token")
+                stopped = seq.on_token(event.token)
+                if event.done_by_batch:
+                    reason = FINISH_STOP if event.token in seq.loaded.eos_token_ids else FINISH_LENGTH
+                    self._finish(seq, event.cache, FINISH_STOP if stopped else reason)
+                elif stopped or seq.is_cancelled:
+                    cache = decoder.remove(seq)
+                    self._finish(seq, cache, FINISH_STOP if stopped else FINISH_CANCELLED)
+            except Exception as exc:
+                log.exception("sequence_failed", request_id=seq.job.request_id, phase="decode")
+                self._fail(seq, internal_error(exc))
+
+    def _leave_batch(self, seq: SequenceState, err: RpcError) -> None:
+        """Take a failing sequence's row out of its batch; a batch that cannot let go of it is dropped."""
+        decoder = self._decoders.get(seq.loaded.name)
+        if decoder is None or not decoder.holds(seq):
+            return
+        try:
+            decoder.remove(seq)
+        except Exception:
+            log.exception("batch_remove_failed", request_id=seq.job.request_id)
+            self._drop_decoder(decoder, err)
+
+    def _drop_decoder(self, decoder: BatchDecoder, err: RpcError) -> None:
+        """Forget a broken batch: every sequence in it fails with ``err``; the next joiner starts a new one."""
+        name = next((k for k, v in self._decoders.items() if v is decoder), None)
+        self._decoders.pop(name, None)
+        for seq in [s for s in self.active if s.phase is Phase.DECODE and s.loaded.name == name]:
+            self._fail(seq, err)
 
     def _decoder_for(self, seq: SequenceState) -> BatchDecoder:
         decoder = self._decoders.get(seq.loaded.name)
@@ -257,16 +311,21 @@ class Scheduler:
     # -- the end of a sequence ------------------------------------------------------------
 
     def _finish(self, seq: SequenceState, cache: list[Any] | None, finish_reason: str) -> None:
+        fault_point("finish")
         if seq.phase is not Phase.WAITING and seq.first_token_at is not None:
             seq.flush_text()
         if cache is not None:
-            self._store_answer(seq, cache)
+            try:
+                self._store_answer(seq, cache)
+            except Exception:  # the answer is done: a cache that could not keep it costs reuse, not the reply
+                log.exception("store_answer_failed", request_id=seq.job.request_id)
         self._release(seq)
         self.counters["cancelled" if seq.is_cancelled else "completed"] += 1
         seq.finish(finish_reason)
 
     def _store_answer(self, seq: SequenceState, cache: list[Any]) -> None:
         """Keep prompt + answer, so the next turn of a chat reuses the answer it just got."""
+        fault_point("store_answer")
         layout = seq.loaded.layout
         if not layout.attention_layers:
             return  # no offset to read the depth from
@@ -278,18 +337,40 @@ class Scheduler:
         store_progress(seq, self.store, cache, tokens)
 
     def _fail(self, seq: SequenceState, err: RpcError) -> None:
+        if seq.phase is Phase.DONE:
+            return  # already answered
+        seq.phase = Phase.DONE
+        self._leave_batch(seq, err)
         self._release(seq)
         self.counters["failed"] += 1
-        seq.phase = Phase.DONE
         seq.job.emit(FAILED, err)
 
     def _release(self, seq: SequenceState) -> None:
         if seq in self.active:
             self.active.remove(seq)
+            self._lend_to_running(self._reserved_bytes())  # the store gets the room back
+        if seq in self._prefill_turns:
+            self._prefill_turns.remove(seq)
         if seq.lease is not None:
-            self.store.release(seq.lease)
-            seq.lease = None
+            lease, seq.lease = seq.lease, None
+            self.store.release(lease)
         seq.cache = None
+
+    def fail_all(self, err: RpcError) -> None:
+        """After a failure the engine could not pin on one request: fail every running one, drop all batches.
+
+        What the engine thread keeps afterwards is a clean scheduler: no
+        sequence, no batch, every lease released.
+        """
+        self._decoders.clear()
+        for seq in list(self.active):
+            try:
+                self._fail(seq, err)
+            except Exception:  # a broken lease must not keep the others from their answer
+                log.exception("fail_all_release_failed", request_id=seq.job.request_id)
+                seq.job.emit(FAILED, err)
+        self.active.clear()
+        self._prefill_turns.clear()
 
     def _guard(self, seq: SequenceState, action: Callable[[], None]) -> None:
         try:
@@ -297,8 +378,8 @@ class Scheduler:
         except RpcError as err:
             self._fail(seq, err)
         except Exception as exc:
-            log.exception("sequence_failed", request_id=seq.job.request_id)
-            self._fail(seq, RpcError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+            log.exception("sequence_failed", request_id=seq.job.request_id, phase=seq.phase.value)
+            self._fail(seq, internal_error(exc))
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -309,6 +390,26 @@ class Scheduler:
             "waiting": phases.count(Phase.WAITING),
             "prefilling": phases.count(Phase.PREFILL),
             "decoding": phases.count(Phase.DECODE),
-            "kv_reserved_bytes": sum(s.kv_bytes_estimate for s in self.active),
+            "kv_reserved_bytes": self._reserved_bytes(),
             "active_per_client": dict(Counter(s.job.client_id for s in self.active)),
         }
+
+
+def internal_error(exc: BaseException, what: str = "internal error") -> RpcError:
+    """The INTERNAL error a request gets when the engine failed on it; the log has the traceback."""
+    return RpcError(ErrorCode.INTERNAL, f"{what}: {type(exc).__name__}: {exc}")
+
+
+# KV buffers grow in steps of this many tokens (mlx-lm's KVCache.step), so a
+# sequence may hold up to one step more than it has tokens.
+KV_GROWTH_STEP_TOKENS = 256
+
+
+def _reserved_tokens(seq: SequenceState) -> int:
+    new_tokens = 0 if seq.job.warm_only else seq.params.max_tokens
+    return len(seq.tokens) + new_tokens + KV_GROWTH_STEP_TOKENS
+
+
+def _sequence_bytes(seq: SequenceState) -> int:
+    """What one sequence's live cache can grow to on its own."""
+    return _reserved_tokens(seq) * seq.loaded.kv_bytes_per_token + seq.loaded.state_bytes_per_sequence

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 
@@ -21,6 +21,10 @@ from ..engine.engine import Engine
 from ..engine.jobs import CHUNK, DONE, GenerateJob
 from ..models.names import model_not_found
 from .connection import Connection
+from .prompt_intake import PromptIntake
+
+# (model fingerprint, prompt tokens) -> returns once what the disk cache holds of that prompt is in memory
+Prefetch = Callable[[str, list[int]], Awaitable[None]]
 
 log = structlog.get_logger("prefixd.request")
 DAEMON_VERSION = "0.1.0"
@@ -30,6 +34,8 @@ CAPABILITIES = ("stream", "cancel", "prefix-cache", "messages", "tokens", "cache
 class Handlers:
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.intake = PromptIntake(engine)
+        self.prefetch: Prefetch | None = None  # set by the server while the disk cache loads
         self.started_at = time.time()
         self._draining: set[asyncio.Task] = set()  # log the end of jobs nobody waits for
         self._table = {
@@ -72,7 +78,7 @@ class Handlers:
         job = conn.jobs.get(target)
         if job is None:
             return {"cancelled": False}
-        job.cancel()
+        self.engine.cancel(job)
         return {"cancelled": True}
 
     # -- methods answered by the engine thread -----------------------------------------
@@ -86,18 +92,20 @@ class Handlers:
 
     async def tokenize(self, conn: Connection, msgid: int, params: dict) -> dict:
         prompt, model = m.parse_prompt_request(params)
-        self._check_model(model)
-        return await self.engine.call(lambda: self.engine.controls.tokenize(prompt, model))
+        card, encoded = await self.intake.encode(model, prompt, generates=None)
+        return {"tokens": encoded.tokens, "num_tokens": len(encoded.tokens), "model": card.name, "text": encoded.text}
 
     async def cache_pin(self, conn: Connection, msgid: int, params: dict) -> dict:
-        prompt, model = m.parse_prompt_request(params)
-        self._check_model(model)
-        return await self.engine.call(lambda: self.engine.controls.pin(prompt, model, pinned=True))
+        return await self._pin(params, pinned=True)
 
     async def cache_unpin(self, conn: Connection, msgid: int, params: dict) -> dict:
+        return await self._pin(params, pinned=False)
+
+    async def _pin(self, params: dict, pinned: bool) -> dict:
         prompt, model = m.parse_prompt_request(params)
-        self._check_model(model)
-        return await self.engine.call(lambda: self.engine.controls.pin(prompt, model, pinned=False))
+        card, encoded = await self.intake.encode(model, prompt, generates=None)
+        tokens = encoded.tokens
+        return await self.engine.call(lambda: self.engine.controls.pin_tokens(card.name, tokens, pinned))
 
     async def generate(self, conn: Connection, msgid: int, params: dict) -> dict:
         return await self._run_job(conn, msgid, m.parse_generate(params), warm_only=False)
@@ -147,9 +155,15 @@ class Handlers:
                 pass  # the loop is gone: the daemon is exiting
 
         job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only)
-        self.engine.submit(job)
         if jobs is not None:
-            jobs[msgid] = job
+            jobs[msgid] = job  # cancellable from here on, encoding included
+        try:
+            await self._prepare(job)
+            self.engine.submit(job)
+        except BaseException:
+            if jobs is not None:
+                jobs.pop(msgid, None)
+            raise
         try:
             while True:
                 kind, payload = await events.get()
@@ -163,7 +177,7 @@ class Handlers:
                     log.info("request_failed", request_id=job.request_id, code=payload.code, error=payload.message)
                     raise payload
         except asyncio.CancelledError:
-            job.cancel()  # nobody waits for it any more: free the engine
+            self.engine.cancel(job)  # nobody waits for it any more: free the engine
             task = asyncio.create_task(self._log_abandoned(client_id, job, events))
             self._draining.add(task)  # keep a reference until it is done
             task.add_done_callback(self._draining.discard)
@@ -171,6 +185,16 @@ class Handlers:
         finally:
             if jobs is not None:
                 jobs.pop(msgid, None)
+
+    async def _prepare(self, job: GenerateJob) -> None:
+        """Encode the prompt off the engine thread and bring in what the disk cache holds of it."""
+        self.engine.inbox.check_room(job.client_id)  # refuse a flood before encoding it
+        card, job.encoded = await self.intake.encode(job.params.model, job.params.prompt,
+                                                     generates=not job.warm_only)
+        if self.prefetch is not None:
+            await self.prefetch(card.fingerprint, job.encoded.tokens)
+        if job.cancelled.is_set():
+            raise RpcError(ErrorCode.CANCELLED, "cancelled before it started")
 
     async def _log_abandoned(self, client_id: str, job: GenerateJob, events: asyncio.Queue) -> None:
         """Log how a job whose requester went away ended (finish_reason "cancelled", usually)."""

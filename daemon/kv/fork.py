@@ -40,6 +40,9 @@ def capture_snapshot(cache: list[Any], layout: CacheLayout) -> StateSnapshot | N
     if not layout.is_hybrid:
         return None
     states = [[None if a is None else mx.array(a) for a in cache[i].cache] for i in layout.state_layers]
+    # Evaluated now: an unevaluated copy keeps its input alive, and the input
+    # of a row's state is a view of the whole decode batch's array.
+    mx.eval([a for layer in states for a in layer if a is not None])
     return StateSnapshot(states)
 
 

@@ -18,12 +18,21 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.utils import load as mlx_lm_load
 
-from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import PromptInput
 from ..kv.layout import CacheLayout, make_cache_layout
 from .prompt_encoding import EncodedPrompt, PromptEncoder
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the fronts may read of a loaded model, from any thread: plain values and its (thread-safe) encoder."""
+
+    name: str
+    fingerprint: str
+    context_length: int
+    encoder: PromptEncoder
 
 
 @dataclass
@@ -39,7 +48,8 @@ class LoadedModel:
     dtype: str
     load_seconds: float
     weight_bytes: int
-    kv_bytes_per_token: int = 0  # attention KV per token, all layers
+    kv_bytes_per_token: int = 0  # KV per token, every layer that grows with the sequence
+    state_bytes_per_sequence: int = 0  # conv/SSM state of a hybrid model, per sequence
     prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -55,23 +65,12 @@ class LoadedModel:
             "cache_layers": self.layout.describe(),
         }
 
-    def encode(self, prompt: PromptInput) -> EncodedPrompt:
-        """Token ids for a prompt given as text, chat messages or ids (see PromptEncoder)."""
-        return self.encoder.encode(prompt)
+    def encode(self, prompt: PromptInput, generates: bool | None = True) -> EncodedPrompt:
+        """Token ids for a prompt, checked against the context (see PromptEncoder)."""
+        return self.encoder.encode(prompt, generates)
 
-    def check_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
-        """A prompt must fit the context, leaving room for one new token when it generates."""
-        if num_prompt_tokens == 0:
-            raise RpcError(ErrorCode.INVALID_PARAMS, "the prompt is empty")
-        limit = self.context_length - 1 if generates else self.context_length
-        if num_prompt_tokens > limit:
-            room = " and at least one new token" if generates else ""
-            raise RpcError(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {num_prompt_tokens} tokens; model {self.name} has a context of {self.context_length} "
-                f"for the prompt{room}",
-                {"prompt_tokens": num_prompt_tokens, "context_length": self.context_length},
-            )
+    def card(self) -> ModelCard:
+        return ModelCard(self.name, self.fingerprint, self.context_length, self.encoder)
 
     def note_prefill_rate(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 16 or seconds <= 0:
@@ -90,19 +89,22 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> Loade
     mx.eval(model.parameters())
     load_seconds = time.perf_counter() - started
     config = json.loads((path / "config.json").read_text())
+    context_length = _context_length(config)
     weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
     first_param = next(v for _, v in _flatten(model.parameters()))
     layout = make_cache_layout(model)
+    kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
         path=path,
         model=model,
         tokenizer=tokenizer,
-        encoder=PromptEncoder(tokenizer, name or path.name),
+        encoder=PromptEncoder(tokenizer, name or path.name, context_length),
         layout=layout,
-        kv_bytes_per_token=_kv_bytes_per_token(model, layout),
+        kv_bytes_per_token=kv_bytes_per_token,
+        state_bytes_per_sequence=state_bytes_per_sequence,
         fingerprint=model_fingerprint(path, tokenizer, str(first_param.dtype)),
-        context_length=_context_length(config),
+        context_length=context_length,
         dtype=str(first_param.dtype).replace("mlx.core.", ""),
         load_seconds=load_seconds,
         weight_bytes=weight_bytes,
@@ -148,18 +150,30 @@ def model_fingerprint(path: Path, tokenizer: Any, dtype: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _kv_bytes_per_token(model: Any, layout: CacheLayout) -> int:
-    """Measured, not derived from the config: one token through a fresh cache."""
+def _measure_cache_bytes(model: Any, layout: CacheLayout) -> tuple[int, int]:
+    """(bytes per token of every layer that grows with the sequence, bytes per sequence of state layers).
+
+    Measured, not derived from the config: one token through a fresh cache.
+    Layers with keys and values (plain, rotating, ...) count per allocated
+    slot; conv/SSM state layers (ArraysCache) hold a fixed size per sequence.
+    """
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
-    total = 0
-    for index in layout.attention_layers:
-        keys, values = cache[index].keys, cache[index].values
+    per_token = per_sequence = 0
+    for index, layer_cache in enumerate(cache):
+        if index in layout.state_layers:
+            arrays = [a for a in layer_cache.cache if a is not None]
+            mx.eval(arrays)
+            per_sequence += sum(a.nbytes for a in arrays)
+            continue
+        keys, values = getattr(layer_cache, "keys", None), getattr(layer_cache, "values", None)
+        if keys is None or values is None:
+            continue
         mx.eval(keys, values)
-        total += (keys.nbytes + values.nbytes) // keys.shape[2]
-    return total
+        per_token += (keys.nbytes + values.nbytes) // max(keys.shape[2], 1)
+    return per_token, per_sequence
 
 
 def _context_length(config: dict[str, Any]) -> int:

@@ -32,23 +32,119 @@ class EncodedPrompt:
     message_spans: tuple[MessageSpan, ...] = ()
 
     def message_at(self, token_index: int) -> MessageSpan | None:
-        """The message whose tokens include ``token_index`` (chat prompts only)."""
-        ends = [span.end_token for span in self.message_spans]
-        position = bisect.bisect_right(ends, token_index)
-        if position < len(self.message_spans):
-            return self.message_spans[position]
-        return None
+        """The message whose tokens include ``token_index`` (chat prompts only).
+
+        None where that cannot be told: past the last message, or where the
+        boundary of the message before it is not known (long chats, see
+        PromptEncoder._message_ends).
+        """
+        spans = self.message_spans
+        position = bisect.bisect_right([span.end_token for span in spans], token_index)
+        if position >= len(spans):
+            return None
+        previous_index = spans[position - 1].index if position else -1
+        return spans[position] if spans[position].index == previous_index + 1 else None
+
+
+# Chats up to this long get an exact boundary for every message (one render of
+# each prefix: quadratic, but cheap at this size). Longer ones get exact
+# boundaries for their last EXACT_TAIL_MESSAGES messages (a chat's next turn
+# diverges there) and content-end boundaries before them, so encoding stays
+# linear in the chat's size however many messages it has.
+EXACT_BOUNDARY_MESSAGES = 16
+EXACT_TAIL_MESSAGES = 4
 
 
 class PromptEncoder:
-    """Encodes prompts for one model's tokenizer (an mlx-lm TokenizerWrapper)."""
+    """Encodes prompts for one model's tokenizer (an mlx-lm TokenizerWrapper) and checks they fit.
 
-    def __init__(self, tokenizer: Any, model_name: str):
+    Thread-safe and MLX-free: the fronts run it on worker threads, so the
+    engine thread never templates or tokenizes.
+    """
+
+    def __init__(self, tokenizer: Any, model_name: str, context_length: int):
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.context_length = context_length
+        self._max_token_chars: int | None = None
+        self._min_tokens_per_message: int | None = None
 
-    def encode(self, prompt: PromptInput) -> EncodedPrompt:
-        """Token ids for a prompt given as text, chat messages or ids."""
+    def encode(self, prompt: PromptInput, generates: bool | None = True) -> EncodedPrompt:
+        """Token ids for a prompt given as text, chat messages or ids.
+
+        With ``generates`` True (a generate) or False (a cache.warm) the
+        prompt must fit the context (RpcError otherwise), and one that
+        certainly cannot (see ``min_tokens``) is refused before it is
+        templated or tokenized. None: no length check (tokenize, pin).
+        """
+        if generates is not None:
+            lower_bound = self.min_tokens(prompt)
+            if lower_bound > self._limit(generates):
+                raise self._too_long(lower_bound, generates, at_least=True)
+        encoded = self._encode(prompt)
+        if generates is not None:
+            self.check_length(len(encoded.tokens), generates)
+        return encoded
+
+    def check_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
+        """A prompt must fit the context, leaving room for one new token when it generates."""
+        if num_prompt_tokens == 0:
+            raise RpcError(ErrorCode.INVALID_PARAMS, "the prompt is empty")
+        if num_prompt_tokens > self._limit(generates):
+            raise self._too_long(num_prompt_tokens, generates)
+
+    def min_tokens(self, prompt: PromptInput) -> int:
+        """A cheap lower bound on the prompt's token count, computed without the tokenizer.
+
+        Text: no token is longer than the vocabulary's longest token string.
+        Chats: that, or each message's share of the template's own tokens
+        (measured once per model), whichever is larger.
+        """
+        if prompt.tokens is not None:
+            return len(prompt.tokens)
+        if prompt.text is not None:
+            return len(prompt.text) // self.max_token_chars()
+        messages = prompt.messages
+        num_chars = sum(len(m.get("content") or "") for m in messages)
+        by_template = max(0, len(messages) - 2) * self.min_tokens_per_message()
+        return max(num_chars // self.max_token_chars(), by_template)
+
+    def max_token_chars(self) -> int:
+        if self._max_token_chars is None:
+            try:
+                vocab = self.tokenizer.get_vocab()
+                self._max_token_chars = max((len(piece) for piece in vocab), default=1) or 1
+            except Exception:  # a tokenizer without a readable vocabulary: no bound from text
+                self._max_token_chars = 1 << 30
+        return self._max_token_chars
+
+    def min_tokens_per_message(self) -> int:
+        """Tokens the template adds per message around empty content (0 when it cannot be told)."""
+        if self._min_tokens_per_message is None:
+            self._min_tokens_per_message = 0
+            try:
+                one = [{"role": "user", "content": ""}]
+                three = one + [{"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
+                sizes = [len(self._encode_with_offsets(self.render_messages(chat, False))[0]) for chat in (one, three)]
+                self._min_tokens_per_message = max(0, (sizes[1] - sizes[0]) // 2)
+            except Exception:
+                pass  # no template, or one that refuses empty messages: no bound from it
+        return self._min_tokens_per_message
+
+    def _limit(self, generates: bool) -> int:
+        return self.context_length - 1 if generates else self.context_length
+
+    def _too_long(self, num_prompt_tokens: int, generates: bool, at_least: bool = False) -> RpcError:
+        room = " and at least one new token" if generates else ""
+        size = f"at least {num_prompt_tokens}" if at_least else f"{num_prompt_tokens}"
+        return RpcError(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"prompt has {size} tokens; model {self.model_name} has a context of {self.context_length} "
+            f"for the prompt{room}",
+            {"prompt_tokens": num_prompt_tokens, "context_length": self.context_length},
+        )
+
+    def _encode(self, prompt: PromptInput) -> EncodedPrompt:
         if prompt.tokens is not None:
             vocab_size = len(self.tokenizer)
             bad = next((t for t in prompt.tokens if t >= vocab_size), None)
@@ -72,16 +168,34 @@ class PromptEncoder:
     def _encode_messages(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> EncodedPrompt:
         text = self.render_messages(messages, add_generation_prompt)
         token_ids, token_ends = self._encode_with_offsets(text)
-        spans = []
-        for index in range(len(messages)):
-            # A message boundary is where the rendering of messages[:index+1]
-            # stops agreeing with the full rendering: templates that rewrite
-            # earlier text (or add a default system prompt) are handled too.
+        ends = self._message_ends(messages, text)
+        spans = tuple(MessageSpan(index, messages[index]["role"], bisect.bisect_right(token_ends, end))
+                      for index, end in ends)
+        return EncodedPrompt(token_ids, text, spans)
+
+    def _message_ends(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """(message index, character offset in ``text`` where it ends), ascending.
+
+        Exact: where the rendering of messages[:index+1] stops agreeing with
+        the full rendering (templates that rewrite earlier text, or add a
+        default system prompt, are handled too). Before the exact tail of a
+        long chat: the end of the message's content, found by a forward scan;
+        a message whose content is empty or cannot be found gets no boundary.
+        """
+        num_exact = len(messages) if len(messages) <= EXACT_BOUNDARY_MESSAGES else EXACT_TAIL_MESSAGES
+        first_exact = len(messages) - num_exact
+        ends: list[tuple[int, int]] = []
+        cursor = 0
+        for index in range(first_exact):
+            content = messages[index].get("content") or ""
+            found = text.find(content, cursor) if content else -1
+            if found >= 0:
+                cursor = found + len(content)
+                ends.append((index, cursor))
+        for index in range(first_exact, len(messages)):
             partial = self.render_messages(messages[: index + 1], add_generation_prompt=False)
-            agree = common_prefix_length(partial, text)
-            end_token = bisect.bisect_right(token_ends, agree)
-            spans.append(MessageSpan(index, messages[index]["role"], end_token))
-        return EncodedPrompt(token_ids, text, tuple(spans))
+            ends.append((index, common_prefix_length(partial, text)))
+        return ends
 
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
         backend = getattr(self.tokenizer._tokenizer, "backend_tokenizer", None)

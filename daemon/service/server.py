@@ -62,6 +62,7 @@ class DaemonServer:
         self.connections: set[Connection] = set()
         self._stop_requested = asyncio.Event()
         self._num_signals = 0
+        self._exit_code = 0  # 1 once the engine died: a service manager should restart us
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_path = False  # False when systemd/launchd created the socket
         self.notifier = Notifier()  # does nothing outside systemd
@@ -78,6 +79,8 @@ class DaemonServer:
         started = time.monotonic()
         self._start_watchdog()  # systemd counts from our start, so ping while the models load too
         self.notifier.notify(STATUS=f"loading {', '.join(self.settings.engine.model_specs)}")
+        loop = asyncio.get_running_loop()
+        self.engine.on_dead = lambda reason: _call_soon(loop, self._on_engine_dead, reason)
         self.engine.start()
         try:
             await self.engine.wait_ready(self.settings.load_timeout_seconds)
@@ -99,6 +102,7 @@ class DaemonServer:
             self._reporters.append(asyncio.create_task(self._report_status()))
         if self.settings.disk_cache is not None:
             self.persistence = Persistence(self.engine, self.settings.disk_cache)
+            self.handlers.prefetch = self.persistence.prefetch  # a prompt's own entries first while it loads
             await self.persistence.start()  # loads in the background: serving starts now
         log.info(
             "daemon_started",
@@ -111,7 +115,13 @@ class DaemonServer:
         )
         await self._stop_requested.wait()
         await self._shutdown()
-        return 0
+        return self._exit_code
+
+    def _on_engine_dead(self, reason: str) -> None:
+        """The engine gave up (it logged why and failed every request): stop, and exit non-zero."""
+        self._exit_code = 1
+        self.notifier.notify(STATUS=f"engine failed: {reason}; exiting")
+        self._stop_requested.set()
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -159,7 +169,7 @@ class DaemonServer:
 
     async def _ping_watchdog(self, interval: float) -> None:
         # A dead engine thread stops the pings, so systemd restarts the daemon.
-        while self.engine.is_alive:  # the task first runs after engine.start()
+        while self.engine.is_alive and self.engine.dead_reason is None:  # the task first runs after engine.start()
             self.notifier.notify(WATCHDOG=1)
             await asyncio.sleep(interval)
         log.error("engine_thread_dead", action="watchdog pings stopped")
@@ -194,6 +204,7 @@ class DaemonServer:
         if self.persistence is not None:
             await self._save_disk_cache()
         await asyncio.to_thread(self.engine.stop)
+        self.handlers.intake.close()
         for task in self._reporters:
             task.cancel()
         self.notifier.close()
@@ -248,3 +259,11 @@ def status_line(model_names: tuple[str, ...], stats: dict, num_in_flight: int) -
     if "completed" in requests:
         parts.append(f"{requests['completed']} completed")
     return " · ".join(parts)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Hand a call from another thread to the loop; nothing to do once the loop is gone."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass

@@ -29,13 +29,13 @@ def shared_daemon(tiny_llama_dir, tiny_lfm2_dir, tmp_path_factory) -> Iterator[D
 
 @pytest.fixture
 def start_daemon(tiny_llama_dir, tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
-    """``start_daemon(models=None, extra_args=(), socket_path=None, start=True)``; models default to tiny llama."""
+    """``start_daemon(models=None, extra_args=(), socket_path=None, start=True, env=None)``; models default to tiny llama."""
     started: list[DaemonProcess] = []
 
     def start(models: Iterable[Path] | None = None, extra_args: Iterable[str] = (), socket_path: Path | None = None,
-              start: bool = True) -> DaemonProcess:
+              start: bool = True, env: dict[str, str] | None = None) -> DaemonProcess:
         workdir = tmp_path / f"daemon{len(started)}"
-        daemon = DaemonProcess(models or [tiny_llama_dir], workdir, extra_args, socket_path=socket_path)
+        daemon = DaemonProcess(models or [tiny_llama_dir], workdir, extra_args, socket_path=socket_path, env=env)
         started.append(daemon)
         if start:
             daemon.start()

@@ -495,3 +495,51 @@ def test_churn_under_a_small_budget_keeps_every_invariant(clock, seed):
     for lease in leases:
         store.release(lease)
     store.check_integrity()
+
+
+# ----- capacity lent to running sequences, and leases that follow a prefill -----
+
+def test_set_capacity_evicts_down_to_it_and_gives_the_room_back(clock):
+    store = PrefixStore(max_bytes=1000, max_nodes=100, max_pinned_bytes=500, clock=clock)
+    for i in range(5):
+        put(store, [i] * 10 + [100 + i])  # 110 bytes each
+        clock.now += 1
+    assert store.num_bytes == 550
+    assert store.set_capacity(300) == 300
+    assert store.num_bytes <= 300 and store.free_bytes == 300 - store.num_bytes
+    assert store.set_capacity(1000) == 1000
+    put(store, [9] * 60)
+    assert store.num_bytes <= 1000
+    store.check_integrity()
+
+
+def test_set_capacity_keeps_what_is_locked_and_says_so(clock):
+    store = PrefixStore(max_bytes=1000, max_nodes=100, max_pinned_bytes=500, clock=clock)
+    put(store, list(range(50)))
+    lease = store.lease("m", list(range(50)))
+    assert store.set_capacity(100) == 500  # the locked 500 bytes cannot go: the capacity says so
+    assert store.num_bytes == 500
+    store.check_integrity()
+    store.release(lease)
+    assert store.set_capacity(100) == 100 and store.num_bytes == 0
+
+
+def test_a_lease_keeps_what_a_prefill_stored_so_far(clock):
+    store = PrefixStore(max_bytes=400, max_nodes=100, max_pinned_bytes=100, clock=clock)
+    prompt = list(range(30))
+    put(store, prompt[:10])  # the first chunk of a prefill
+    lease = store.lease("m", prompt[:10])
+    clock.now += 1
+    put(store, [500 + i for i in range(31)])  # another request needs more room than is free
+    assert store.match("m", prompt, max_length=10).length == 10  # the chunk survived
+    store.release(store.match("m", prompt, max_length=10).lease)
+    store.release(lease)
+    store.check_integrity()
+
+
+def test_without_a_lease_that_chunk_would_have_gone(clock):
+    store = PrefixStore(max_bytes=400, max_nodes=100, max_pinned_bytes=100, clock=clock)
+    put(store, list(range(10)))
+    clock.now += 1
+    put(store, [500 + i for i in range(31)])
+    assert lookup(store, list(range(30)), max_length=10).length == 0
