@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, AsyncIterator, Unpack
+from typing import Any, AsyncIterator, Iterable, Unpack
 
 from prefixd.protocol import methods
 from prefixd.protocol.codec import StreamDecoder
@@ -23,6 +23,7 @@ from .calls import (
     READ_CHUNK_BYTES, GenerateOptions, MsgidCounter, PromptOptions, cancel_params, chunk_target,
     connection_level_error, encode_request, generate_params, prompt_params, resolve_socket_path, result_of,
 )
+from .daemon_owner import refuse_foreign_daemon
 from .errors import Cancelled, ConnectionLost, DaemonUnavailable, PrefixdError, RequestTimeout, unavailable
 
 _Waiter = asyncio.Future | asyncio.Queue
@@ -33,11 +34,16 @@ class AsyncClient:
 
     Use ``client = await AsyncClient.connect(path)`` or ``async with
     AsyncClient(path) as client``; a call on an unopened client opens it.
+    The daemon must run as this process's uid or root, else opening raises
+    DaemonUnavailable before anything is sent; ``trusted_uids`` names other
+    uids whose daemon may be used (one shared through ``--allow-uid``).
     """
 
-    def __init__(self, socket_path: str | os.PathLike | None = None, timeout: float | None = None):
+    def __init__(self, socket_path: str | os.PathLike | None = None, timeout: float | None = None,
+                 trusted_uids: Iterable[int] = ()):
         self.socket_path = resolve_socket_path(socket_path)
         self.timeout = timeout
+        self.trusted_uids = tuple(trusted_uids)
         self._msgids = MsgidCounter()
         self._waiters: dict[int, _Waiter] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -46,8 +52,9 @@ class AsyncClient:
         self._open_lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, socket_path: str | os.PathLike | None = None, timeout: float | None = None) -> AsyncClient:
-        client = cls(socket_path, timeout)
+    async def connect(cls, socket_path: str | os.PathLike | None = None, timeout: float | None = None,
+                      trusted_uids: Iterable[int] = ()) -> AsyncClient:
+        client = cls(socket_path, timeout, trusted_uids)
         await client.open()
         return client
 
@@ -64,6 +71,12 @@ class AsyncClient:
                 raise DaemonUnavailable(f"{self.socket_path} did not accept within {self.timeout} s") from None
             except OSError as exc:
                 raise unavailable(self.socket_path, exc) from None
+            try:
+                refuse_foreign_daemon(self._writer.get_extra_info("socket"), self.socket_path, self.trusted_uids)
+            except DaemonUnavailable:
+                self._writer.close()
+                self._writer = None  # not open: a later call tries again, and is refused again
+                raise
             self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
 
     async def close(self) -> None:

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections import deque
-from typing import Any, Iterator, Unpack
+from typing import Any, Iterable, Iterator, Unpack
 
 from prefixd.protocol import methods
 from prefixd.protocol.codec import StreamDecoder
@@ -23,13 +23,20 @@ from .calls import (
     READ_CHUNK_BYTES, GenerateOptions, MsgidCounter, PromptOptions, cancel_params, chunk_target,
     connection_level_error, encode_request, generate_params, prompt_params, resolve_socket_path, result_of,
 )
+from .daemon_owner import refuse_foreign_daemon
 from .errors import Cancelled, ConnectionLost, DaemonUnavailable, PrefixdError, RequestTimeout, unavailable
 
 
 class Client:
-    """Blocking prefixd client. ``timeout`` (seconds, None = forever) bounds each wait for a reply or chunk."""
+    """Blocking prefixd client. ``timeout`` (seconds, None = forever) bounds each wait for a reply or chunk.
 
-    def __init__(self, socket_path: str | os.PathLike | None = None, timeout: float | None = None):
+    The daemon must run as this process's uid or root, else DaemonUnavailable is
+    raised before anything is sent; ``trusted_uids`` names other uids whose
+    daemon may be used (one shared through ``--allow-uid``).
+    """
+
+    def __init__(self, socket_path: str | os.PathLike | None = None, timeout: float | None = None,
+                 trusted_uids: Iterable[int] = ()):
         self.socket_path = resolve_socket_path(socket_path)
         self.timeout = timeout
         self._msgids = MsgidCounter()
@@ -46,6 +53,11 @@ class Client:
         except OSError as exc:
             self._sock.close()
             raise unavailable(self.socket_path, exc) from None
+        try:
+            refuse_foreign_daemon(self._sock, self.socket_path, trusted_uids)
+        except DaemonUnavailable:
+            self._sock.close()
+            raise
 
     # -- methods -------------------------------------------------------------
 

@@ -4,6 +4,11 @@ Order: ``$PREFIXD_SOCKET``; on macOS the user's cache dir
 (``~/Library/Caches/prefixd/prefixd.sock``); elsewhere
 ``$XDG_RUNTIME_DIR/prefixd/prefixd.sock``, or a per-user temp dir
 (``/tmp/prefixd-<uid>/prefixd.sock``) when XDG_RUNTIME_DIR is unset.
+
+Anyone may create ``/tmp/prefixd-<uid>`` first, so a path here is only a
+name: the daemon creates its directory 0700 and refuses one that is a link,
+another user's, or writable by others (daemon/front/listener.py), and the
+clients refuse a socket served by another uid (client/daemon_owner.py).
 """
 
 from __future__ import annotations

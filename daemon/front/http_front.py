@@ -6,9 +6,18 @@ becomes a GenerateJob run through ``Handlers.run_job``, like a socket request,
 so both fronts share one engine and one prefix store. A client that goes
 away cancels its job (aiohttp cancels the handler; the job sees the flag).
 
-Exposure: TCP on loopback by default; a non-loopback host is refused unless
-a bearer token is set, and a set token is then required on every request.
-Over a Unix socket the peer's uid is checked like on the msgpack socket.
+Exposure: over TCP the kernel names no peer, so any local user could connect;
+the bearer token is what keeps them out, and it is required on every TCP
+request once set (``http_options`` sets one unless told ``--http-no-token``;
+a non-loopback host is refused without one). Over a Unix socket the peer's
+uid is checked like on the msgpack socket, and that is the guard there: the
+token is not asked for.
+
+Slow clients: each request must arrive whole, head and body, within
+``read_timeout`` seconds of the connection being ready for it (accepted, or
+done with its previous reply); otherwise the connection is closed. aiohttp
+has no such limit of its own, so every connection's protocol sits behind a
+``_ReadDeadline``. Replies, streamed ones included, are not limited.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import hmac
 import itertools
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -32,9 +42,10 @@ from . import openai_shapes as shapes
 from .handlers import Handlers
 from .http_options import is_loopback
 from .listener import SocketFile, bind_unix_socket
-from .peer_auth import UNKNOWN, PeerCredentials, PeerPolicy, peer_credentials
+from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
 
 log = structlog.get_logger("prefixd.http")
+READ_TIMEOUT_SECONDS = 30.0  # for one request's head and body; generous for a local client on any link
 _request_ids = itertools.count(1)
 _HANDLERS_KEY = web.AppKey("handlers", Handlers)
 _FRONT_KEY = web.AppKey("front", object)
@@ -46,6 +57,7 @@ class HttpFront:
 
     def __init__(self, app: web.Application, unix_path: Path | None, token: str | None, peer_policy: PeerPolicy, shutdown_timeout: float):
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+        self.servers: list[asyncio.AbstractServer] = []  # listening; connections go to self.runner.server
         self.unix_path = unix_path
         self.socket_file: SocketFile | None = None  # what we bound at unix_path, the one file cleanup removes
         self.token = token
@@ -54,7 +66,7 @@ class HttpFront:
 
     @property
     def addresses(self) -> list[Any]:
-        return list(self.runner.addresses)
+        return [sock.getsockname() for server in self.servers for sock in (server.sockets or ())]
 
     @property
     def num_in_flight(self) -> int:
@@ -66,6 +78,9 @@ class HttpFront:
 
     async def cleanup(self) -> None:
         """Stop listening, let running requests end within the shutdown timeout, remove the socket file."""
+        for server in self.servers:
+            server.close()  # no wait_closed(): it would wait for the connections the runner is about to end
+        self.servers.clear()
         await self.runner.cleanup()
         self.remove_socket_file()
 
@@ -84,8 +99,13 @@ async def start_http_front(
     token: str | None = None,
     peer_policy: PeerPolicy | None = None,
     shutdown_timeout: float = 10.0,
+    read_timeout: float = READ_TIMEOUT_SECONDS,
 ) -> HttpFront:
-    """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``."""
+    """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``.
+
+    ``token``: the bearer token TCP requests must carry (None: none asked for).
+    ``read_timeout``: seconds a request's head and body may take to arrive.
+    """
     if host is None and unix_path is None:
         raise ValueError("give a host and port, a unix_path, or both")
     if host is not None and not is_loopback(host) and not token:
@@ -100,35 +120,121 @@ async def start_http_front(
     app[_HANDLERS_KEY] = handlers
     app[_FRONT_KEY] = front
     await front.runner.setup()
+    loop = asyncio.get_running_loop()
+
+    def new_connection() -> _ReadDeadline:
+        return _ReadDeadline(front.runner.server(), read_timeout)
+
     try:
         if host is not None:
-            await web.TCPSite(front.runner, host, port or 0).start()
+            front.servers.append(await loop.create_server(new_connection, host, port or 0, backlog=128))
         if path is not None:
             sock, front.socket_file = bind_unix_socket(path)
-            await web.SockSite(front.runner, sock).start()
+            front.servers.append(await loop.create_server(new_connection, sock=sock, backlog=128))
     except BaseException:
         await front.cleanup()
         raise
-    log.info("http_started", addresses=[str(a) for a in front.addresses], token=bool(token))
+    log.info("http_started", addresses=[str(a) for a in front.addresses], token=bool(token), read_timeout_s=read_timeout)
     return front
 
 
-# -- middleware: errors in OpenAI's shape, bearer token, peer check, log context ------------
+# -- the read deadline: a request's head and body must arrive in time ---------------------
+
+
+class _ReadDeadline(asyncio.Protocol):
+    """aiohttp's protocol for one connection, plus a deadline for the request being read.
+
+    The deadline starts when the connection is accepted and again after each
+    reply; the middleware stops it once a request's body is read. When it
+    passes, the connection is closed: a client that sent half a request and
+    stopped holds nothing open for long.
+    """
+
+    def __init__(self, inner: asyncio.Protocol, timeout: float):
+        self.inner = inner
+        self.timeout = timeout
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """(Re)start the deadline for the next request on this connection."""
+        self.stop()
+        if self.transport is not None and not self.transport.is_closing():
+            self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+
+    def stop(self) -> None:
+        """The request is in: no deadline while it is answered."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        peername = self.transport.get_extra_info("peername") if self.transport else None
+        log.warning("http_read_timeout", peer=str(peername) if peername else None, timeout_s=self.timeout)
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- asyncio.Protocol: pass everything on to aiohttp -----------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.inner.connection_made(transport)
+        self.start()
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stop()
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def _deadline_of(request: web.Request) -> _ReadDeadline | None:
+    protocol = request.transport.get_protocol() if request.transport is not None else None
+    return protocol if isinstance(protocol, _ReadDeadline) else None
+
+
+# -- middleware: errors in OpenAI's shape, bearer token, peer check, body, log context ------
 
 
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    deadline = _deadline_of(request)
+    try:
+        return await _answer(request, handler, deadline)
+    finally:
+        if deadline is not None:
+            deadline.start()  # the next request on this connection gets its own time
+
+
+async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]], deadline: _ReadDeadline | None) -> web.StreamResponse:
     front: HttpFront = request.app[_FRONT_KEY]
-    peer = peer_credentials(request.transport.get_extra_info("socket")) if request.transport else UNKNOWN
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    peer = peer_credentials(sock)
     request[_CLIENT_KEY] = _client_id(request, peer)
     structlog.contextvars.bind_contextvars(client=request[_CLIENT_KEY], pid=peer.pid, uid=peer.uid, path=request.path)
     if (refusal := front.peer_policy.refusal(peer)) is not None:
         log.warning("client_refused", reason=refusal)
         return _json_error(403, refusal, "permission_error")
-    if front.token is not None and not _token_matches(request, front.token):
+    if front.token is not None and _over_tcp(sock) and not _token_matches(request, front.token):
         log.warning("http_unauthorized")
-        return _json_error(401, "a valid bearer token is required (Authorization: Bearer ...)", code="invalid_api_key")
+        return _json_error(401, "a valid bearer token is required (Authorization: Bearer ...); OpenAI clients send it as their API key. "
+                                "The daemon's http_token log line says which file holds it", code="invalid_api_key")
     try:
+        if request.body_exists:
+            await request.read()  # under the deadline; the endpoints then parse the cached bytes
+        if deadline is not None:
+            deadline.stop()
         return await handler(request)
     except RpcError as err:
         status, body = shapes.error_body(err)
@@ -140,6 +246,11 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     except Exception as exc:
         log.exception("http_handler_failed")
         return _json_error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _over_tcp(sock: Any) -> bool:
+    # Anything but a Unix socket counts as TCP: a peer the kernel does not name must show the token.
+    return sock is None or sock.family != socket.AF_UNIX
 
 
 def _client_id(request: web.Request, peer: PeerCredentials) -> str:
@@ -162,9 +273,10 @@ def _json_error(status: int, message: str, kind: str = "invalid_request_error", 
 
 async def _json_body(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RpcError(ErrorCode.INVALID_PARAMS, f"the request body is not valid JSON: {exc}") from None
+        text = await request.text()
+    except UnicodeDecodeError as exc:
+        raise RpcError(ErrorCode.INVALID_PARAMS, f"the request body is not valid UTF-8: {exc}") from None
+    return shapes.parse_json_body(text)
 
 
 # -- endpoints ---------------------------------------------------------------------------

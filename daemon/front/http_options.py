@@ -2,6 +2,15 @@
 
 Kept apart from ``http_front`` so that ``prefixd serve`` can parse its
 arguments before anything imports MLX (the BLAS preload must come first).
+
+The bearer token: over TCP the kernel names no peer, so without a token any
+local user could use the daemon, past ``--allow-uid``. So ``--http`` always
+has one: ``--http-token-file``, else ``$PREFIXD_HTTP_TOKEN``, else the default
+file ``$XDG_CONFIG_HOME/prefixd/http-token`` (``~/.config/prefixd/http-token``),
+made once with a random token, mode 0600, and read again at every start.
+``--http-no-token`` is the explicit opt-out, for a user who accepts that any
+local user may connect (loopback only). The Unix-socket front
+(``--http-socket``) checks the peer's uid instead, and needs no token.
 """
 
 from __future__ import annotations
@@ -9,10 +18,17 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 TOKEN_ENV = "PREFIXD_HTTP_TOKEN"
+TOKEN_FILE_NAME = "http-token"
+
+log = structlog.get_logger("prefixd.http")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,27 +43,120 @@ class HttpSettings:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("editor fronts")
-    group.add_argument("--http", metavar="HOST:PORT", default=None, help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8080; loopback only unless a token is set)")
-    group.add_argument("--http-socket", metavar="PATH", type=Path, default=None, help="also serve the OpenAI-compatible HTTP API on this Unix socket (mode 0600)")
-    group.add_argument("--http-token-file", metavar="FILE", type=Path, default=None, help=f"bearer token required on every HTTP request (first line of FILE; or ${TOKEN_ENV}); needed for a non-loopback --http")
+    group.add_argument("--http", metavar="HOST:PORT", default=None, help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8080; loopback only unless a token is given); requests must carry the bearer token")
+    group.add_argument("--http-socket", metavar="PATH", type=Path, default=None, help="also serve the OpenAI-compatible HTTP API on this Unix socket (mode 0600; the peer's uid is checked, no token needed)")
+    group.add_argument("--http-token-file", metavar="FILE", type=Path, default=None, help=f"bearer token required on every HTTP request over TCP (first line of FILE; or ${TOKEN_ENV}; default: made once in $XDG_CONFIG_HOME/prefixd/{TOKEN_FILE_NAME})")
+    group.add_argument("--http-no-token", action="store_true", default=None, help="serve --http without a bearer token: any local user may then use the daemon over TCP (loopback only)")
     group.add_argument("--allow-uid", metavar="UID", type=int, action="append", default=[], help="also accept socket clients running as this uid (repeatable; default: only the daemon's own uid)")
 
 
-def http_settings(args: argparse.Namespace) -> HttpSettings | None:
-    """The HTTP front's settings from parsed arguments; None when it is off. Raises ValueError on bad values."""
+def http_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> HttpSettings | None:
+    """The HTTP front's settings from parsed arguments; None when it is off. Raises ValueError on bad values.
+
+    With ``--http`` and no token given, the default token file is read, or
+    made first (see the module docstring); the log says where it is.
+    """
+    environ = os.environ if environ is None else environ
     if args.http is None and args.http_socket is None:
         return None
-    token = os.environ.get(TOKEN_ENV) or None
+    token = environ.get(TOKEN_ENV) or None
     if args.http_token_file is not None:
         lines = args.http_token_file.expanduser().read_text().splitlines()
         token = lines[0].strip() if lines else ""
         if not token:
             raise ValueError(f"{args.http_token_file} holds no token")
+    no_token = bool(getattr(args, "http_no_token", False))
+    if no_token and token:
+        given = args.http_token_file if args.http_token_file is not None else f"${TOKEN_ENV}"
+        raise ValueError(f"--http-no-token contradicts the token given in {given}: drop one of them")
     host, port = parse_http_address(args.http) if args.http is not None else (None, None)
     if host is not None and not is_loopback(host) and not token:
         raise ValueError(f"--http {args.http} is not a loopback address: set a bearer token (--http-token-file or ${TOKEN_ENV})")
+    if host is not None and token is None and not no_token:
+        token_file = default_token_path(environ)
+        token, created = read_or_create_token(token_file)
+        log.info("http_token", file=str(token_file), created=created, hint="OpenAI clients send it as their API key")
+    elif host is not None and no_token:
+        log.warning("http_without_token", address=args.http, reason="--http-no-token: any local user may use the daemon over TCP")
     unix_path = args.http_socket.expanduser() if args.http_socket is not None else None
     return HttpSettings(host=host, port=port, unix_path=unix_path, token=token)
+
+
+# -- the default token file ------------------------------------------------------------------
+
+
+def default_token_path(environ: dict[str, str]) -> Path:
+    """``$XDG_CONFIG_HOME/prefixd/http-token``, else ``~/.config/prefixd/http-token`` (on macOS too, like config.toml)."""
+    base = environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "prefixd" / TOKEN_FILE_NAME
+
+
+def read_or_create_token(path: Path) -> tuple[str, bool]:
+    """The token in ``path``, made first if there is none: (token, whether it was made now).
+
+    Made atomically: written in full to a private temporary file (mode 0600,
+    O_EXCL, O_NOFOLLOW), then linked to its name, which never replaces a file
+    and never follows a link there; a daemon that races us to it wins, and
+    both read its token. Raises ValueError for a file that is a link, not
+    ours, or readable by others.
+    """
+    _make_private_directories(path.parent)
+    try:
+        return read_token_file(path), False
+    except FileNotFoundError:
+        pass
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(temporary, path)
+            created = True
+        except FileExistsError:
+            created = False  # another daemon made it meanwhile: use theirs
+    finally:
+        os.unlink(temporary)
+    return read_token_file(path), created
+
+
+def read_token_file(path: Path) -> str:
+    """The first line of a private token file; ValueError if it is a link, not ours, readable by others, or empty."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ValueError(f"{path} is a symbolic link; refusing to read the HTTP token through it") from None
+        raise
+    with os.fdopen(fd) as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file; it cannot hold the HTTP token")
+        if info.st_uid != os.geteuid():
+            raise ValueError(f"{path} is owned by uid {info.st_uid}, not by this daemon's uid {os.geteuid()}; remove it to get a new token")
+        if info.st_mode & 0o077:
+            raise ValueError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: other users may read the HTTP token; "
+                             f"chmod 600 {path}, or remove it to get a new token")
+        lines = handle.read().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"{path} holds no token; remove it to get a new one")
+    return token
+
+
+def _make_private_directories(directory: Path) -> None:
+    missing = []
+    for candidate in (directory, *directory.parents):
+        if os.path.lexists(candidate):
+            break
+        missing.append(candidate)
+    for candidate in reversed(missing):
+        try:
+            os.mkdir(candidate, 0o700)
+        except FileExistsError:
+            pass
 
 
 def parse_http_address(text: str) -> tuple[str, int]:

@@ -95,6 +95,16 @@ def choice(*choices: str) -> Callable[[Any], str]:
     return parse
 
 
+def switch(value: Any) -> bool:
+    """On or off: a flag given (True), true/false in the file, 1/0, yes/no, on/off, true/false in the environment."""
+    if isinstance(value, bool):
+        return value
+    words = {"1": True, "yes": True, "on": True, "true": True, "0": False, "no": False, "off": False, "false": False}
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
+    raise ValueError("must be true or false")
+
+
 def text(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("must be a non-empty string")
@@ -161,7 +171,8 @@ OPTIONS: dict[str, Option] = {
         Option("status_interval", number(0.1), 5.0),
         Option("http", text, None, "off"),
         Option("http_socket", path, None, "off"),
-        Option("http_token_file", path, None, "none ($PREFIXD_HTTP_TOKEN)"),
+        Option("http_token_file", path, None, "$PREFIXD_HTTP_TOKEN, else $XDG_CONFIG_HOME/prefixd/http-token (made once, mode 0600)"),
+        Option("http_no_token", switch, False, "true: no bearer token on --http, so any local user may connect"),
         Option("allow_uid", list_of(integer(0)), []),
     )
 }

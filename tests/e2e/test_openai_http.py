@@ -1,10 +1,18 @@
-"""The OpenAI-compatible HTTP front, driven by the official ``openai`` package against a real daemon."""
+"""The OpenAI-compatible HTTP front, driven by the official ``openai`` package against a real daemon.
+
+Over TCP every request carries the daemon's bearer token (made once in
+$XDG_CONFIG_HOME/prefixd/http-token when none is given), which OpenAI clients
+send as their API key; over the Unix socket the peer's uid is checked instead.
+"""
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +28,15 @@ CHAT = [
     {"role": "system", "content": "You are a terse assistant for the prefixd project. Answer in one line."},
     {"role": "user", "content": "What does a prefix cache keep between requests?"},
 ]
+
+
+def default_token_file(workdir: Path) -> Path:
+    """Where a test daemon in ``workdir`` keeps its default token (daemon_env sets XDG_CONFIG_HOME=workdir/config)."""
+    return workdir / "config" / "prefixd" / "http-token"
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def wait_for_http(client: httpx.Client, daemon: LiveDaemon, timeout: float = 30.0) -> None:
@@ -44,12 +61,13 @@ def daemon(tiny_llama_dir, tmp_path_factory):
         live.http_socket = workdir / "http.sock"
         with httpx.Client(base_url=live.base_url) as probe:
             wait_for_http(probe, live)
+        live.token = default_token_file(workdir).read_text().strip()
         yield live
 
 
 @pytest.fixture
 def client(daemon):
-    with openai.OpenAI(base_url=daemon.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+    with openai.OpenAI(base_url=daemon.base_url, api_key=daemon.token, max_retries=0, timeout=60) as client:
         yield client
 
 
@@ -132,7 +150,7 @@ def test_bad_requests_get_openai_error_shapes(client):
 
 
 def test_raw_errors_are_json_too(daemon):
-    with httpx.Client(base_url=daemon.base_url) as http:
+    with httpx.Client(base_url=daemon.base_url, headers=bearer(daemon.token)) as http:
         not_json = http.post("/chat/completions", content=b"{nope", headers={"Content-Type": "application/json"})
         assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
         assert http.get("/nowhere").json()["error"]["message"] == "Not Found"
@@ -141,6 +159,7 @@ def test_raw_errors_are_json_too(daemon):
 def test_http_over_a_unix_socket(daemon):
     transport = httpx.HTTPTransport(uds=str(daemon.http_socket))
     with httpx.Client(transport=transport) as http_client:
+        # No token here: the kernel names the peer, and the daemon checks its uid instead.
         client = openai.OpenAI(base_url="http://prefixd/v1", api_key="unused", http_client=http_client, max_retries=0)
         reply = client.chat.completions.create(model="llama", messages=CHAT, max_tokens=8)
     assert reply.choices[0].message.content
@@ -183,9 +202,53 @@ def test_bearer_token_is_required_once_set(tiny_llama_dir, tmp_path):
         right = openai.OpenAI(base_url=base_url, api_key="s3cret-token", max_retries=0)
         assert [m.id for m in right.models.list()] == ["llama"]
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(http_socket))) as over_unix:
-            assert over_unix.get("http://prefixd/v1/models").status_code == 401  # the token holds there too
+            assert over_unix.get("http://prefixd/v1/models").status_code == 200  # the peer's uid is the guard there
+        assert not default_token_file(tmp_path / "d").exists()  # a given token: no default file
     assert live.proc.returncode == 0  # SIGTERM: a clean stop, HTTP front included
     assert not http_socket.exists()
+
+
+def test_tcp_without_the_token_gets_401_in_openai_shape(daemon):
+    with httpx.Client(base_url=daemon.base_url) as http:
+        for headers in ({}, bearer("guess"), {"Authorization": daemon.token}):
+            refused = http.post("/chat/completions", json={"model": "llama", "messages": CHAT, "max_tokens": 4}, headers=headers)
+            assert refused.status_code == 401, headers
+            error = refused.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key" and error["param"] is None
+            assert "bearer token is required" in error["message"]
+    with openai.OpenAI(base_url=daemon.base_url, api_key="guess", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.chat.completions.create(model="llama", messages=CHAT, max_tokens=4)
+
+
+def test_the_default_token_file_is_made_0600_and_reused_on_restart(tiny_llama_dir, tmp_path):
+    token_file = default_token_file(tmp_path)
+    tokens = []
+    for run in range(2):
+        port = free_tcp_port()
+        with LiveDaemon(tiny_llama_dir, tmp_path, ["--http", f"127.0.0.1:{port}"]) as live:
+            base_url = f"http://127.0.0.1:{port}/v1"
+            with httpx.Client(base_url=base_url) as probe:
+                wait_for_http(probe, live)
+                assert probe.get("/models").status_code == 401
+            tokens.append(token_file.read_text().strip())
+            with openai.OpenAI(base_url=base_url, api_key=tokens[-1], max_retries=0) as client:
+                assert [m.id for m in client.models.list()] == ["llama"]
+            logged = live.log_events("http_token")  # the log file holds both runs
+            assert [(entry["file"], entry["created"]) for entry in logged] == [(str(token_file), True), (str(token_file), False)][: run + 1]
+            assert tokens[-1] not in live.log_text()  # where the token is, never the token
+        assert stat.S_IMODE(os.lstat(token_file).st_mode) == 0o600
+    assert tokens[0] == tokens[1] and len(tokens[0]) >= 32
+
+
+def test_the_no_token_opt_out(tiny_llama_dir, tmp_path):
+    port = free_tcp_port()
+    with LiveDaemon(tiny_llama_dir, tmp_path, ["--http", f"127.0.0.1:{port}"], env={"PREFIXD_HTTP_NO_TOKEN": "true"}) as live:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1") as http:
+            wait_for_http(http, live)
+            assert http.get("/models").status_code == 200
+        assert live.log_events("http_without_token")
+    assert not default_token_file(tmp_path).exists()
 
 
 def test_non_loopback_http_needs_a_token(tiny_llama_dir, tmp_path):
