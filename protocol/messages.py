@@ -85,5 +85,16 @@ def parse_message(obj: Any) -> Message:
     raise RpcError(ErrorCode.INVALID_REQUEST, f"unknown message type {kind!r}; expected 0, 1 or 2")
 
 
+def request_msgid(obj: Any) -> int | None:
+    """The msgid of something shaped like a request, [0, msgid, _, _], when it can be read.
+
+    For errors about a message refused before it became a Request: the error
+    can then name the msgid its sender waits on.
+    """
+    if isinstance(obj, (list, tuple)) and len(obj) == 4 and type(obj[0]) is int and obj[0] == MessageType.REQUEST:
+        return obj[1] if _is_msgid(obj[1]) else None
+    return None
+
+
 def _is_msgid(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_MSGID

@@ -4,12 +4,20 @@ Requests are handled as independent tasks, so a client may pipeline many
 msgids on one connection. Every outgoing message goes through one writer
 task, so messages are never interleaved and a slow reader only slows itself.
 When the client goes away, its in-flight requests are cancelled.
+
+Backpressure: the engine never waits for a socket (it would stall every
+client's decoding), so what a client does not read piles up in its outbox.
+A client that leaves more than ``max_outbox_bytes`` unread is too slow: its
+requests are cancelled and its connection is closed, and the daemon's memory
+stays bounded whatever the client does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+from collections import deque
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -23,6 +31,21 @@ from .peer_auth import PeerPolicy, peer_credentials
 log = structlog.get_logger("prefixd.connection")
 _connection_ids = itertools.count(1)
 READ_SIZE = 256 * 1024
+MAX_OUTBOX_BYTES = 16 * 1024 * 1024  # unread replies one client may leave queued: one message of the largest size
+OUTBOX_LIMIT_ENV = "PREFIXD_MAX_OUTBOX_BYTES"  # overrides MAX_OUTBOX_BYTES (tests, tuning)
+
+
+def outbox_limit_from_environment() -> int:
+    """``$PREFIXD_MAX_OUTBOX_BYTES`` if set, else MAX_OUTBOX_BYTES; a bad value is an error at start-up."""
+    text = os.environ.get(OUTBOX_LIMIT_ENV, "").strip()
+    if not text:
+        return MAX_OUTBOX_BYTES
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{OUTBOX_LIMIT_ENV} must be a whole number of bytes, at least 1; got {text!r}")
+    return int(text)
+
+
+_DEFAULT_OUTBOX_LIMIT = outbox_limit_from_environment()  # read once, when the daemon imports this module
 
 Handler = Callable[["Connection", Request], Awaitable[Any]]
 
@@ -35,6 +58,7 @@ class Connection:
         handler: Handler,
         max_message_bytes: int,
         peer_policy: PeerPolicy | None = None,
+        max_outbox_bytes: int | None = None,
     ):
         self.client_id = f"c{next(_connection_ids)}"
         self.reader = reader
@@ -46,25 +70,72 @@ class Connection:
         self.peer_policy = peer_policy or PeerPolicy()
         self.jobs: dict[int, GenerateJob] = {}  # in-flight generate jobs by msgid
         self._tasks: set[asyncio.Task] = set()
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # Encoded messages not yet taken by the socket; the first is the one
+        # being written, and it leaves the deque only once the socket has it.
+        self._outbox: deque[bytes] = deque()
+        self._outbox_filled = asyncio.Event()
+        self._outbox_closing = False  # set by _finish: the writer stops once the outbox is empty
+        self.max_outbox_bytes = _DEFAULT_OUTBOX_LIMIT if max_outbox_bytes is None else max_outbox_bytes
+        self._num_unwritten_bytes = 0  # sum of the outbox
         self._writer_task: asyncio.Task | None = None
+        self._close_reason: str | None = None  # why the daemon closed the connection, if it did
         self.closed = asyncio.Event()
 
     # -- sending ------------------------------------------------------------------
 
     def send(self, message: Message) -> None:
-        if not self.closed.is_set():
-            self._outbox.put_nowait(codec.encode(message))
+        """Queue a message for the writer; a client that leaves too much unread is dropped instead."""
+        if self.closed.is_set():
+            return
+        data = codec.encode(message)
+        # What waits behind the message being written is what the client has
+        # left unread; judged before this one joins, so a single large reply
+        # to a client that reads along never counts as slowness.
+        num_waiting = self._num_unwritten_bytes - (len(self._outbox[0]) if self._outbox else 0)
+        if num_waiting > self.max_outbox_bytes:
+            self._drop_slow_reader(self._num_unwritten_bytes + len(data))
+            return
+        self._num_unwritten_bytes += len(data)
+        self._outbox.append(data)
+        self._outbox_filled.set()
 
     async def _write_loop(self) -> None:
         try:
-            while (data := await self._outbox.get()) is not None:
+            while self._outbox or not self._outbox_closing:
+                if not self._outbox:
+                    self._outbox_filled.clear()
+                    await self._outbox_filled.wait()
+                    continue
+                if self.writer.is_closing():
+                    break  # closed under the writer (uvloop then lets drain() return): writing would raise
+                data = self._outbox[0]
                 self.writer.write(data)
-                await self.writer.drain()
+                await self.writer.drain()  # waits while the client does not read
+                if self._outbox and self._outbox[0] is data:  # (a dropped client's outbox is already empty)
+                    self._outbox.popleft()
+                    self._num_unwritten_bytes -= len(data)
         except (ConnectionError, OSError):
             pass  # the read side notices and cleans up
         finally:
             self.closed.set()
+
+    def _close_outbox(self) -> None:
+        """Let the writer finish what is queued, then stop."""
+        self._outbox_closing = True
+        self._outbox_filled.set()
+
+    def _drop_slow_reader(self, num_queued_bytes: int) -> None:
+        log.warning("client_too_slow", client=self.client_id, queued_bytes=num_queued_bytes,
+                    limit_bytes=self.max_outbox_bytes, cancelled_requests=len(self.jobs))
+        self._close_reason = "too_slow"
+        self.closed.set()  # send() drops everything from now on
+        self.cancel_all()
+        self._outbox.clear()  # free the unread replies now, not when the connection is collected
+        self._num_unwritten_bytes = 0
+        self._close_outbox()
+        # close() would wait to flush the buffer to a reader that does not
+        # read; abort() drops it, and the read loop sees the end at once.
+        self.writer.transport.abort()
 
     # -- reading ------------------------------------------------------------------
 
@@ -93,10 +164,15 @@ class Connection:
                     log.warning("client_protocol_error", client=self.client_id, code=err.code, error=err.message)
                     self.send(Response(None, err.to_wire(), None))
                     break
+                except Exception as exc:  # a decoder bug: the stream's position is lost, but the client hears why
+                    reason = "decoder_failed"
+                    log.exception("client_decoder_failed", client=self.client_id)
+                    self.send(Response(None, RpcError(ErrorCode.INTERNAL, f"internal error decoding the stream: {exc!r}").to_wire(), None))
+                    break
         except (ConnectionError, OSError):
             reason = "connection_error"
         finally:
-            await self._finish(reason)
+            await self._finish(self._close_reason or reason)
 
     def _dispatch(self, item: Message | RpcError) -> None:
         if isinstance(item, RpcError):
@@ -142,9 +218,11 @@ class Connection:
         # cancelled job at its next step) before the writer stops.
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=30)
-        self._outbox.put_nowait(None)
+        self._close_outbox()
         if self._writer_task is not None:
-            await asyncio.wait([self._writer_task], timeout=5)
+            done, _ = await asyncio.wait([self._writer_task], timeout=5)
+            if not done:  # the client is not reading what is left; close() would wait for it forever
+                self.writer.transport.abort()
         self.closed.set()
         self.writer.close()
         try:
