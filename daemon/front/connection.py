@@ -235,3 +235,16 @@ class Connection:
         for job in self.jobs.values():
             job.cancel()
 
+    def stop_reading(self) -> None:
+        """The daemon is stopping: read nothing more; replies still owed go out, then the connection closes.
+
+        The read loop sees the end of the stream and _finish does the rest:
+        it waits for the handlers' last replies and for the writer to drain.
+        """
+        self._close_reason = self._close_reason or "shutdown"
+        self.reader.feed_eof()
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent replies included (a client that did not read them in time)."""
+        self.writer.transport.abort()
+

@@ -197,9 +197,12 @@ class DaemonServer:
         while self._num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
-            conn.writer.close()
-        if self.connections:
-            await asyncio.sleep(0.1)
+            conn.stop_reading()  # each closes once its last replies are written
+        deadline = time.monotonic() + 10.0
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.abort()  # not reading what it was sent: it does not hold up the exit
         await http_closed
         if self.persistence is not None:
             await self._save_disk_cache()
