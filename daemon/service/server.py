@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..front.http_front import HttpFront  # aiohttp is imported only when --http asks for it
 
 log = structlog.get_logger("prefixd.server")
+LISTEN_BACKLOG = 1024  # asyncio's default (100) dropped most of a 300-connection burst
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class DaemonServer:
         else:
             sock, activation = inherited
             path = Path(sock.getsockname() or path)
-        self._server = await asyncio.start_unix_server(self._on_client, sock=sock)
+        # A burst of clients (editors starting together, a pool) waits in the kernel, not refused.
+        self._server = await asyncio.start_unix_server(self._on_client, sock=sock, backlog=LISTEN_BACKLOG)
         await self._start_http()
         self._install_signal_handlers()
         self.notifier.notify(READY=1, MAINPID=os.getpid(), STATUS=f"serving {', '.join(self.engine.model_names)} on {path}")
