@@ -23,30 +23,38 @@ def solo(conn: RawConnection, prompt: str, max_tokens: int = 8) -> str:
                                     "cache": {"use": False, "store": False}})["text"]
 
 
-def test_three_one_token_prompts_at_once_are_answered_and_the_engine_lives(start_daemon):
+def test_one_token_prompts_at_once_are_answered_and_stored_cleanly(start_daemon):
+    """Three 1-token prompts at once killed the engine thread (issue: a prompt-end checkpoint at depth 0).
+
+    Several rounds of six, so that at least three reach the engine in one iteration.
+    """
     daemon = start_daemon()
-    connections = [RawConnection(daemon.socket_path) for _ in range(3)]
-    replies: list = [None] * 3
-    barrier = threading.Barrier(3)
+    for round_index in range(3):
+        connections = [RawConnection(daemon.socket_path) for _ in range(6)]
+        replies: list = [None] * len(connections)
+        barrier = threading.Barrier(len(connections))
 
-    def ask(index: int) -> None:
-        barrier.wait()
-        msgid = connections[index].request("generate", {"prompt": "Hi", "max_tokens": 1})
-        replies[index] = connections[index].reply(msgid)[1]
+        def ask(index: int) -> None:
+            barrier.wait()
+            # One token: its answer is stored with a prompt-end checkpoint at depth 0 unless guarded.
+            msgid = connections[index].request("generate", {"tokens": [42 + round_index], "max_tokens": 1})
+            replies[index] = connections[index].reply(msgid)[1]
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    for reply in replies:
-        assert reply is not None and reply[2] is None, reply
-        assert reply[3]["usage"]["completion_tokens"] <= 1
-    with connections[0] as conn:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(connections))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for conn in connections:
+            conn.close()
+        for reply in replies:
+            assert reply is not None and reply[2] is None, reply
+            assert reply[3]["usage"]["completion_tokens"] <= 1
+    with RawConnection(daemon.socket_path) as conn:
         assert conn.result("tokenize", {"prompt": "Hi"})["num_tokens"] >= 1
         assert conn.result("stats")["requests"]["active"] == 0
-    for conn in connections[1:]:
-        conn.close()
+    failures = [line for line in daemon.log_lines() if line.get("level") in ("error", "critical")]
+    assert not failures, failures  # stored cleanly, not merely survived
 
 
 @pytest.mark.parametrize("point", ["admit", "prefill", "first_token", "decode_step", "token", "finish", "store_answer"])
