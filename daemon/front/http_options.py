@@ -25,6 +25,8 @@ from pathlib import Path
 
 import structlog
 
+from .listener import make_private_directories
+
 TOKEN_ENV = "PREFIXD_HTTP_TOKEN"
 TOKEN_FILE_NAME = "http-token"
 
@@ -100,7 +102,7 @@ def read_or_create_token(path: Path) -> tuple[str, bool]:
     both read its token. Raises ValueError for a file that is a link, not
     ours, or readable by others.
     """
-    _make_private_directories(path.parent)
+    make_private_directories(path.parent)
     try:
         return read_token_file(path), False
     except FileNotFoundError:
@@ -145,18 +147,6 @@ def read_token_file(path: Path) -> str:
         raise ValueError(f"{path} holds no token; remove it to get a new one")
     return token
 
-
-def _make_private_directories(directory: Path) -> None:
-    missing = []
-    for candidate in (directory, *directory.parents):
-        if os.path.lexists(candidate):
-            break
-        missing.append(candidate)
-    for candidate in reversed(missing):
-        try:
-            os.mkdir(candidate, 0o700)
-        except FileExistsError:
-            pass
 
 
 def parse_http_address(text: str) -> tuple[str, int]:

@@ -98,11 +98,8 @@ class SocketFile:
         return True
 
 
-def ensure_socket_directory(directory: Path) -> os.stat_result:
-    """Create ``directory`` (and missing parents) with mode 0700 if needed, then check it; its lstat.
-
-    Raises UnsafeSocketDirectory if another user could replace a socket in it.
-    """
+def make_private_directories(directory: Path) -> None:
+    """Create ``directory`` and its missing parents with mode 0700; existing ones are left as they are."""
     missing = []
     for candidate in (directory, *directory.parents):
         if os.path.lexists(candidate):
@@ -112,7 +109,15 @@ def ensure_socket_directory(directory: Path) -> os.stat_result:
         try:
             os.mkdir(candidate, 0o700)  # the mode is applied by mkdir itself: never looser, even briefly
         except FileExistsError:
-            pass  # made meanwhile by someone else: the check below decides
+            pass  # made meanwhile by someone else: the caller's own check decides
+
+
+def ensure_socket_directory(directory: Path) -> os.stat_result:
+    """Create ``directory`` (and missing parents) with mode 0700 if needed, then check it; its lstat.
+
+    Raises UnsafeSocketDirectory if another user could replace a socket in it.
+    """
+    make_private_directories(directory)
     return check_socket_directory(directory)
 
 
