@@ -200,13 +200,13 @@ class Engine:
         log.critical("engine_dead", reason=reason, action="failing every request; the daemon exits")
         err = self.dead_error()
         for job in self.inbox.close(err):
-            job.emit(FAILED, err)
+            job.emit(FAILED, self.dead_error())  # one exception object per request
         for call in self.inbox.drain_controls(err):
             if isinstance(call, ControlCall):
                 call.fail(err)
         if self._held_job is not None:
             job, self._held_job = self._held_job, None
-            job.emit(FAILED, err)
+            job.emit(FAILED, self.dead_error())
         try:
             if self.scheduler is not None:
                 self._fail_running(err)

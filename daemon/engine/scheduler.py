@@ -173,8 +173,9 @@ class Scheduler:
         """
         self._wake_waiters()
         decoding = any(len(decoder) for decoder in self._decoders.values())
-        if not decoding:
-            self._prefill_s = self._decode_s = 0.0  # nothing to share with: start even again
+        prefilling = any(seq.phase is Phase.PREFILL for seq in self._prefill_turns)
+        if not decoding or not prefilling:
+            self._prefill_s = self._decode_s = 0.0  # nothing to share with: no credit builds up
         started = time.monotonic()
         for decoder in list(self._decoders.values()):
             if len(decoder):
@@ -191,7 +192,7 @@ class Scheduler:
             self._prefill_s += time.monotonic() - started
 
     def _wake_waiters(self) -> None:
-        for seq in self.active:
+        for seq in list(self.active):  # a restart may finish (and remove) a cancelled waiter
             if seq.phase is Phase.WAITING and (seq.waiting_on.phase is not Phase.PREFILL or seq.is_cancelled):
                 seq.waiting_on = None
                 self._guard(seq, lambda s=seq: self._restart(s))
@@ -293,6 +294,8 @@ class Scheduler:
             return
         for event in events:
             seq = event.seq
+            if seq.phase is Phase.DONE:
+                continue  # failed with a dropped batch earlier in this loop: already answered
             try:
                 fault_point("token")
                 stopped = seq.on_token(event.token)
@@ -362,10 +365,12 @@ class Scheduler:
         if seq.phase is Phase.DONE:
             return  # already answered
         seq.phase = Phase.DONE
-        self._leave_batch(seq, err)
-        self._release(seq)
-        self.counters["failed"] += 1
-        seq.job.emit(FAILED, err)
+        try:
+            self._leave_batch(seq, err)
+            self._release(seq)
+        finally:  # the reply goes out whatever the cleanup met
+            self.counters["failed"] += 1
+            seq.job.emit(FAILED, err)
 
     def _release(self, seq: SequenceState) -> None:
         if seq in self.active:

@@ -69,6 +69,9 @@ class Connection:
         self.peer_pid, self.peer_uid = self.peer.pid, self.peer.uid
         self.peer_policy = peer_policy or PeerPolicy()
         self.jobs: dict[int, GenerateJob] = {}  # in-flight generate jobs by msgid
+        # How this connection cancels its jobs; the server sets engine.cancel, which also frees a
+        # queued job's place in line at once (a bare flag waits for admission).
+        self.cancel_job: Callable[[GenerateJob], None] = lambda job: job.cancel()
         self._tasks: set[asyncio.Task] = set()
         # Encoded messages not yet taken by the socket; the first is the one
         # being written, and it leaves the deque only once the socket has it.
@@ -204,8 +207,8 @@ class Connection:
             self.send(Response(request.msgid, None, result))
 
     async def _finish(self, reason: str) -> None:
-        for job in self.jobs.values():
-            job.cancel()
+        for job in list(self.jobs.values()):
+            self.cancel_job(job)
         if self.jobs or self.decoder.num_buffered_bytes:
             log.info(
                 "client_gone",
@@ -232,8 +235,8 @@ class Connection:
         log.info("client_disconnected", client=self.client_id, reason=reason)
 
     def cancel_all(self) -> None:
-        for job in self.jobs.values():
-            job.cancel()
+        for job in list(self.jobs.values()):
+            self.cancel_job(job)
 
     def stop_reading(self) -> None:
         """The daemon is stopping: read nothing more; replies still owed go out, then the connection closes.
@@ -242,6 +245,7 @@ class Connection:
         it waits for the handlers' last replies and for the writer to drain.
         """
         self._close_reason = self._close_reason or "shutdown"
+        self.writer.transport.pause_reading()  # bytes arriving after the end would trip the reader
         self.reader.feed_eof()
 
     def abort(self) -> None:

@@ -53,6 +53,7 @@ class EncodedPrompt:
 # linear in the chat's size however many messages it has.
 EXACT_BOUNDARY_MESSAGES = 16
 EXACT_TAIL_MESSAGES = 4
+MAX_MESSAGE_GAP_CHARS = 4096  # template text between one message's content and the next one's, at most
 
 
 class PromptEncoder:
@@ -188,7 +189,8 @@ class PromptEncoder:
         cursor = 0
         for index in range(first_exact):
             content = messages[index].get("content") or ""
-            found = text.find(content, cursor) if content else -1
+            # A bounded window: a template that rewrites content (trim) must not make this quadratic.
+            found = text.find(content, cursor, cursor + len(content) + MAX_MESSAGE_GAP_CHARS) if content else -1
             if found >= 0:
                 cursor = found + len(content)
                 ends.append((index, cursor))

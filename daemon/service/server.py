@@ -144,6 +144,7 @@ class DaemonServer:
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer, self.handlers, self.settings.max_message_bytes, peer_policy=self.peer_policy)
+        conn.cancel_job = self.engine.cancel
         self.connections.add(conn)
         try:
             await conn.serve()
