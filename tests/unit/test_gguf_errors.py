@@ -2,11 +2,13 @@
 
 import struct
 
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from prefixd.daemon.models.gguf_import import GGUFImportError, import_gguf
 
-GGML_F32, GGML_Q4_K = 0, 12
+GGML_F32 = 0
 
 
 def _string(text: str) -> bytes:
@@ -31,30 +33,79 @@ def write_gguf(path, metadata: dict[str, str], tensors: list[tuple[str, list[int
     return path
 
 
-def test_non_llama_architecture_is_refused(tmp_path):
+def test_unsupported_architecture_is_refused(tmp_path):
     src = write_gguf(tmp_path / "gpt2.gguf", {"general.architecture": "gpt2"},
                      [("token_embd.weight", [4, 2], GGML_F32, bytes(32))])
     out = tmp_path / "model"
     with pytest.raises(GGUFImportError, match="architecture 'gpt2' is not supported") as err:
         import_gguf(src, out)
-    assert "llama" in str(err.value)
+    for supported in ("llama", "qwen2", "qwen3", "gemma3", "phi3", "lfm2"):
+        assert supported in str(err.value)
     assert not out.exists()
 
 
+def _tiny_llama(tmp_path, name: str, extra=None, qtype=Q.Q8_0):
+    """The tiny llama of tests/support/gguf_files.py, plus one extra tensor or metadata entry."""
+    from tests.support import gguf_files
+
+    path = tmp_path / name
+    original = gguf_files.add_tokenizer
+
+    def add_tokenizer(writer, arch):
+        original(writer, arch)
+        if extra:
+            extra(writer)
+
+    gguf_files.add_tokenizer = add_tokenizer
+    try:
+        gguf_files.write_tiny_gguf("llama", qtype, path)
+    finally:
+        gguf_files.add_tokenizer = original
+    return path
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
-    # One Q4_K block (256 values, 144 bytes): MLX would silently load it as float16.
-    src = write_gguf(tmp_path / "k.gguf", {"general.architecture": "llama"},
-                     [("blk.0.attn_q.weight", [256, 1], GGML_Q4_K, bytes(144))])
-    with pytest.raises(GGUFImportError, match="Q4_K") as err:
+    # IQ4_NL: a type gguf can read but this importer does not take on trust
+    src = _tiny_llama(tmp_path, "iq.gguf", lambda w: w.add_tensor(
+        "blk.0.attn_q_b.weight", np.zeros((1, 18), np.uint8), raw_dtype=Q.IQ4_NL))
+    with pytest.raises(GGUFImportError, match="IQ4_NL") as err:
         import_gguf(src, tmp_path / "model")
-    assert "blk.0.attn_q.weight" in str(err.value)
+    assert "blk.0.attn_q_b.weight" in str(err.value) and "Q4_K" in str(err.value)
 
 
 def test_unknown_tensor_is_refused(tmp_path):
-    src = write_gguf(tmp_path / "rope.gguf", {"general.architecture": "llama"},
-                     [("rope_freqs.weight", [32], GGML_F32, bytes(128))])
-    with pytest.raises(GGUFImportError, match="rope_freqs"):
+    src = _tiny_llama(tmp_path, "moe.gguf", lambda w: w.add_tensor(
+        "blk.0.ffn_gate_exps.weight", np.zeros((2, 256), np.float32)))
+    with pytest.raises(GGUFImportError, match="ffn_gate_exps"):
         import_gguf(src, tmp_path / "model")
+
+
+def _with_tokenizer(path, model: str, pre: str):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_string("tokenizer.ggml.model", model)
+    writer.add_string("tokenizer.ggml.pre", pre)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_tokenizer_is_named(tmp_path):
+    src = _with_tokenizer(tmp_path / "bert.gguf", "bert", "default")
+    with pytest.raises(GGUFImportError, match="tokenizer 'bert' is not supported"):
+        import_gguf(src, tmp_path / "model")
+
+
+def test_unknown_pre_tokenizer_is_named(tmp_path):
+    src = _with_tokenizer(tmp_path / "jais.gguf", "gpt2", "jais")
+    with pytest.raises(GGUFImportError, match="pre-tokenizer 'jais'") as err:
+        import_gguf(src, tmp_path / "model")
+    assert "llama-bpe" in str(err.value)
 
 
 def test_not_a_gguf_file(tmp_path):
