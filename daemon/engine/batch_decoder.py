@@ -5,6 +5,11 @@ with its own sampler and token budget; sequences join after their prefill
 and leave when they finish, between steps. The prompt is prefilled by
 prefill.py (with checkpoints and storing), so a sequence joins with its
 cache already holding all but the last prompt token.
+
+A sequence that decodes alone takes the solo path (solo_decoder.py): plain
+forward passes on its own cache, pipelined like mlx-lm's generate_step, with
+none of the batch's padding, masks and per-row bookkeeping. When a second
+sequence joins, the solo one moves into the batch without a copy of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from .faults import fault_point
 from .sequence_state import SequenceState
+from .solo_decoder import SoloDecoder
 
 # Generous ceilings: admission (scheduler.py) is what limits the batch.
 MAX_BATCH = 64
@@ -91,9 +97,15 @@ class BatchDecoder:
         )
         self._stop = StopSequences([[token] for token in sorted(eos_token_ids)])
         self._by_uid: dict[int, SequenceState] = {}
+        self._model = model
+        self._eos_token_ids = eos_token_ids
+        self._solo: SoloDecoder | None = None
+        # Events of a solo sequence's last token, taken when it moved into the batch;
+        # handed out first by the next step, so every sequence's tokens stay in order.
+        self._carried: list[StepEvent] = []
 
     def __len__(self) -> int:
-        return len(self._by_uid)
+        return len(self._by_uid) + (self._solo is not None)
 
     def add(self, seq: SequenceState, inputs: list[int], max_tokens: int) -> None:
         """Join the batch: ``inputs`` are the tokens the cache does not hold yet.
@@ -103,6 +115,16 @@ class BatchDecoder:
         sequences join before one step and the generator prefills their
         tails together in one batched pass.
         """
+        if self._solo is None and not self._by_uid and not self._carried and len(inputs) == 1:
+            self._solo = SoloDecoder(self._model, seq, inputs[0], max_tokens, sampler_for(seq),
+                                     self._eos_token_ids, self._generator.stream)
+            seq.cache = None  # the solo decoder owns it now
+            return
+        if self._solo is not None:
+            self._move_solo_to_batch()
+        self._insert(seq, inputs, max_tokens)
+
+    def _insert(self, seq: SequenceState, inputs: list[int], max_tokens: int) -> None:
         (uid,) = self._generator.insert(
             [inputs],
             max_tokens=[max_tokens],
@@ -114,10 +136,30 @@ class BatchDecoder:
         seq.cache = None  # the batch owns it now
         self._by_uid[uid] = seq
 
+    def _move_solo_to_batch(self) -> None:
+        """A second sequence joins: the solo one becomes a batch row, its next token handed out first."""
+        solo, self._solo = self._solo, None
+        token, done = solo.take_pending()
+        if done:
+            self._carried.append(StepEvent(solo.seq, token, True, solo.cache))
+            return
+        self._carried.append(StepEvent(solo.seq, token, False, None))
+        solo.seq.cache = solo.cache  # handed to the batch (and taken off the sequence) by _insert
+        self._insert(solo.seq, [token], solo.remaining)
+
     def step(self) -> list[StepEvent]:
         """One decode step for every sequence in the batch."""
         fault_point("decode_step")
-        events = []
+        events, self._carried = self._carried, []
+        if self._solo is not None:
+            token, done = self._solo.step()
+            solo = self._solo
+            if done:
+                self._solo = None
+            events.append(StepEvent(solo.seq, token, done, solo.cache if done else None))
+            return events
+        if not self._by_uid:
+            return events
         _, responses = self._generator.next()
         for response in responses:
             seq = self._by_uid.get(response.uid)
@@ -130,11 +172,14 @@ class BatchDecoder:
         return events
 
     def holds(self, seq: SequenceState) -> bool:
-        return self._by_uid.get(seq.uid) is seq
+        return (self._solo is not None and self._solo.seq is seq) or self._by_uid.get(seq.uid) is seq
 
     def remove(self, seq: SequenceState) -> list[Any] | None:
         """Take a sequence out of the batch (stop string, cancel); returns its cache."""
-        if seq.uid not in self._by_uid:
+        if self._solo is not None and self._solo.seq is seq:
+            solo, self._solo = self._solo, None
+            return solo.cache  # holds every token handed out; the token computed ahead is dropped
+        if seq.uid not in self._by_uid or self._by_uid[seq.uid] is not seq:
             return None
         del self._by_uid[seq.uid]
         caches = self._generator.remove([seq.uid], return_prompt_caches=True)
