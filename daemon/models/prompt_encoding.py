@@ -8,12 +8,15 @@ diverged in. Pure Python on the tokenizer (no MLX).
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import PromptInput
 from ..common_prefix import common_prefix_length
+from .tokenization_memo import TokenizationMemo
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class EncodedPrompt:
     tokens: list[int]
     text: str | None = None
     message_spans: tuple[MessageSpan, ...] = ()
+    encode_seconds: float = 0.0  # templating and tokenizing, for the reply's timings
 
     def message_at(self, token_index: int) -> MessageSpan | None:
         """The message whose tokens include ``token_index`` (chat prompts only).
@@ -69,6 +73,20 @@ class PromptEncoder:
         self.context_length = context_length
         self._max_token_chars: int | None = None
         self._min_tokens_per_message: int | None = None
+        self._memo = self._make_memo()
+
+    def _make_memo(self) -> TokenizationMemo | None:
+        """A memo of recent chats' tokens (fast tokenizers only: it needs their offsets)."""
+        backend = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+        if backend is None:
+            return None
+        special = {i: added.content for i, added in backend.get_added_tokens_decoder().items() if added.special}
+
+        def tokenize(text: str) -> tuple[list[int], list[int], list[int]]:
+            encoding = backend.encode(text, add_special_tokens=False)
+            return list(encoding.ids), [start for start, _ in encoding.offsets], [end for _, end in encoding.offsets]
+
+        return TokenizationMemo(tokenize, special) if special else None
 
     def encode(self, prompt: PromptInput, generates: bool | None = True) -> EncodedPrompt:
         """Token ids for a prompt given as text, chat messages or ids.
@@ -78,6 +96,7 @@ class PromptEncoder:
         certainly cannot (see ``min_tokens``) is refused before it is
         templated or tokenized. None: no length check (tokenize, pin).
         """
+        started = time.perf_counter()
         if generates is not None:
             lower_bound = self.min_tokens(prompt)
             if lower_bound > self._limit(generates):
@@ -85,7 +104,7 @@ class PromptEncoder:
         encoded = self._encode(prompt)
         if generates is not None:
             self.check_length(len(encoded.tokens), generates)
-        return encoded
+        return dataclasses.replace(encoded, encode_seconds=time.perf_counter() - started)
 
     def check_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
         """A prompt must fit the context, leaving room for one new token when it generates."""
@@ -200,6 +219,8 @@ class PromptEncoder:
         return ends
 
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        if self._memo is not None:
+            return self._memo.encode(text)
         backend = getattr(self.tokenizer._tokenizer, "backend_tokenizer", None)
         if backend is None:  # a slow tokenizer: no offsets, so no message boundaries
             ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,120 @@
+"""The tokenization memo gives exactly the tokens a fresh tokenization gives, for every kind of tokenizer.
+
+Real fast tokenizers of the two families people have (GPT-2 style byte-level
+BPE, SentencePiece style Metaspace with a prepended word marker), trained here
+on a small corpus, each with ChatML special tokens; texts that reuse earlier
+ones the way a prefix cache's traffic does (repeats, next turns, edits,
+special tokens next to spaces and newlines), and random mutations of them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from prefixd.daemon.models.tokenization_memo import MAX_ENTRIES, TokenizationMemo
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+CORPUS = [
+    "def main():\n    return 0\n", "The capital of France is Paris.", "  leading spaces and\ttabs\n\n",
+    "user assistant system question answer", "héllo wörld — ünïcode ✓ 東京", "x = [1, 2, 3]  # a list",
+] * 20
+
+
+def byte_level_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def metaspace_unigram() -> Tokenizer:
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False, unk_token="<|endoftext|>")
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def stripping_specials() -> Tokenizer:
+    """Byte-level BPE whose special tokens swallow the spaces around them (lstrip/rstrip)."""
+    tok = byte_level_bpe()
+    tok.add_special_tokens([AddedToken("<|tool|>", lstrip=True, rstrip=True, special=True)])
+    return tok
+
+
+def chatml(messages: list[tuple[str, str]], generation_prompt: bool = True) -> str:
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+    return text + ("<|im_start|>assistant\n" if generation_prompt else "")
+
+
+def memo_for(tok: Tokenizer) -> TokenizationMemo:
+    special = {i: added.content for i, added in tok.get_added_tokens_decoder().items() if added.special}
+
+    def tokenize(text: str):
+        enc = tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [s for s, _ in enc.offsets], [e for _, e in enc.offsets]
+
+    return TokenizationMemo(tokenize, special)
+
+
+def fresh(tok: Tokenizer, text: str) -> tuple[list[int], list[int]]:
+    enc = tok.encode(text, add_special_tokens=False)
+    return list(enc.ids), [e for _, e in enc.offsets]
+
+
+def traffic() -> list[str]:
+    """Texts in the order a daemon sees them: a chat growing turn by turn, repeats, edits, other questions."""
+    system = "You are a helpful assistant.\n" + "def main():\n    return 0\n" * 8
+    chat = [("system", system)]
+    texts = []
+    for turn in range(5):
+        chat.append(("user", f"question {turn}: what does main return?  "))
+        texts.append(chatml(chat))
+        texts.append(chatml(chat))  # an exact repeat
+        chat.append(("assistant", f" It returns 0 ({turn}).\n"))
+    texts.append(chatml(chat[:2] + [("user", "another question on the same system prompt")]))
+    texts.append(chatml([("system", system.replace("return 0", "return 1", 1))] + chat[1:]))  # an edit early on
+    texts.append(chatml(chat, generation_prompt=False) + "<|im_start|>user\n<|tool|> call  <|tool|>x<|im_end|>\n")
+    texts.append(chatml(chat) + "  trailing spaces after the special token")
+    texts.append("<|im_start|><|im_end|><|im_start|>")  # specials only
+    texts.append("héllo wörld — ünïcode ✓ 東京<|im_end|>東京 ✓")
+    return texts
+
+
+@pytest.mark.parametrize("make", [byte_level_bpe, metaspace_unigram, stripping_specials])
+def test_memo_equals_fresh_tokenization(make):
+    tok = make()
+    memo = memo_for(tok)
+    for text in traffic():
+        assert memo.encode(text) == fresh(tok, text), text
+    assert memo.reused_tokens > 0  # the memo was used, not only filled
+
+
+@pytest.mark.parametrize("make", [byte_level_bpe, metaspace_unigram, stripping_specials])
+def test_memo_equals_fresh_tokenization_under_random_edits(make):
+    tok = make()
+    memo = memo_for(tok)
+    rng = random.Random(7)
+    pieces = SPECIALS + ["<|tool|>", " ", "\n", "  ", "a", "return", "▁", "é", "東", "<|im", "|>", "end"]
+    texts = traffic()
+    for _ in range(300):
+        base = rng.choice(texts)
+        cut = rng.randrange(len(base) + 1)
+        text = base[:cut] + "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 6))) + base[cut:][: rng.randrange(200)]
+        texts.append(text)
+        assert memo.encode(text) == fresh(tok, text), repr(text)
+
+
+def test_memo_keeps_only_recent_texts():
+    tok = byte_level_bpe()
+    memo = memo_for(tok)
+    for i in range(MAX_ENTRIES + 5):
+        memo.encode(chatml([("user", f"message number {i}")]))
+    assert len(memo._entries) == MAX_ENTRIES
