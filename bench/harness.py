@@ -183,13 +183,27 @@ def timed_generate(conn, **params) -> dict[str, Any]:
     """
     started = time.perf_counter()
     stream = conn.stream(**params)
-    first_at, first_token = None, None
+    first_at, first_token, last_at, num_chunks = None, None, None, 0
     for chunk in stream:
+        last_at = time.perf_counter()
+        num_chunks += 1
         if first_at is None:
-            first_at = time.perf_counter()
+            first_at = last_at
             first_token = (chunk.get("tokens") or [None])[0]
     done = time.perf_counter()
     if stream.result is None:
         raise BenchError("the stream ended without a final result")
     return {**stream.result, "client_ttft_ms": ((first_at or done) - started) * 1000,
-            "client_total_ms": (done - started) * 1000, "first_chunk": first_at is not None, "first_token": first_token}
+            "client_total_ms": (done - started) * 1000, "first_chunk": first_at is not None, "first_token": first_token,
+            "decode_window": decode_window(first_at, last_at, num_chunks)}
+
+
+def decode_window(first_at: float | None, last_at: float | None, num_chunks: int) -> dict[str, float] | None:
+    """Decode steps only: the chunks after the first and the seconds from the first chunk to the last.
+
+    Every system's figure is taken the same way (one streamed chunk per token that adds text), so it
+    leaves out what comes before the first token and after the last: prefill, storing the answer.
+    """
+    if first_at is None or num_chunks < 2 or last_at <= first_at:
+        return None
+    return {"steps": num_chunks - 1, "seconds": last_at - first_at}

@@ -46,17 +46,23 @@ def generate(model, tokenizer, messages: list[dict], max_tokens: int) -> dict:
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(prompt, "keys"):  # transformers 5 BatchEncoding
         prompt = prompt["input_ids"]
-    first_at, text, count, finish = None, "", 0, None
+    first_at, first_text_at, last_at, num_chunks, text, count, finish = None, None, None, 0, "", 0, None
     for response in stream_generate(model, tokenizer, list(prompt), max_tokens=max_tokens):
         if first_at is None:
             first_at = time.perf_counter()
+        if response.text:  # counted like the servers' streams: a chunk per token that adds text
+            last_at = time.perf_counter()
+            first_text_at = first_text_at or last_at
+            num_chunks += 1
         text += response.text
         count = response.generation_tokens
         finish = response.finish_reason
     done = time.perf_counter()
     return {"ttft_ms": ((first_at or done) - started) * 1000, "total_ms": (done - started) * 1000,
             "prompt_tokens": len(prompt), "prefilled_tokens": len(prompt), "completion_tokens": count,
-            "text": text, "finish_reason": finish}
+            "text": text, "finish_reason": finish,
+            "decode_window": {"steps": num_chunks - 1, "seconds": last_at - first_text_at}
+            if num_chunks >= 2 and last_at > first_text_at else None}
 
 
 def main() -> int:

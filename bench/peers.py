@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness import BenchError, Daemon, connect, timed_generate
+from harness import BenchError, Daemon, connect, decode_window, timed_generate
 
 BENCH = Path(__file__).resolve().parent
 
@@ -123,7 +123,7 @@ class PrefixdClient:
                 "prompt_tokens": cache["prompt_tokens"], "prefilled_tokens": cache["prefilled_tokens"],
                 "completion_tokens": reply["usage"]["completion_tokens"], "text": reply["text"],
                 "finish_reason": reply["finish_reason"], "hit": cache["hit"], "reused_tokens": cache["reused_tokens"],
-                "server_timings": reply["timings"]}
+                "server_timings": reply["timings"], "decode_window": reply["decode_window"]}
 
     def close(self) -> None:
         self.conn.close()
@@ -197,12 +197,15 @@ class MlxServerClient:
         response = conn.getresponse()
         if response.status != 200:
             raise BenchError(f"mlx_lm.server answered {response.status}: {response.read()[:300]!r}")
-        first_at, text, usage, finish = None, "", None, None
+        first_at, last_at, num_chunks, text, usage, finish = None, None, 0, "", None, None
         for event in _sse_data(response):
             for choice in event.get("choices", []):
                 content = (choice.get("delta") or {}).get("content")
+                if content:
+                    last_at = time.perf_counter()
+                    num_chunks += 1
                 if content and first_at is None:
-                    first_at = time.perf_counter()  # TTFT: the first chunk carrying content
+                    first_at = last_at  # TTFT: the first chunk carrying content
                 text += content or ""
                 finish = choice.get("finish_reason") or finish
             usage = event.get("usage") or usage
@@ -214,7 +217,7 @@ class MlxServerClient:
         return {"ttft_ms": ((first_at or done) - started) * 1000, "total_ms": (done - started) * 1000,
                 "prompt_tokens": usage["prompt_tokens"], "prefilled_tokens": usage["prompt_tokens"] - cached,
                 "completion_tokens": usage["completion_tokens"], "text": text, "finish_reason": finish,
-                "reused_tokens": cached}
+                "reused_tokens": cached, "decode_window": decode_window(first_at, last_at, num_chunks)}
 
     def close(self) -> None:
         pass

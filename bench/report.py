@@ -25,7 +25,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def decode_rate(result: dict) -> float | None:
-    """Tokens/s after the first token: (completion - 1) / (total - TTFT); None below 2 tokens."""
+    """Decode steps only: chunks after the first / seconds from the first chunk to the last.
+
+    Older results without a ``decode_window`` fall back to (completion - 1) / (total - TTFT),
+    which also counts what a server does after its last token.
+    """
+    window = result.get("decode_window")
+    if window:
+        return window["steps"] / window["seconds"]
     seconds = (result["total_ms"] - result["ttft_ms"]) / 1000
     if result.get("completion_tokens", 0) < 2 or seconds <= 0:
         return None

@@ -71,6 +71,7 @@ def uses_store(store: PrefixStore | None, seq: SequenceState) -> bool:
 def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int) -> None:
     """Find the longest usable stored prefix, fork a private cache from it, plan the rest."""
     loaded, options = seq.loaded, seq.params.cache
+    started = time.monotonic()
     if seq.lease is not None:  # a second lookup, after waiting for a shared prefix
         store.release(seq.lease)
         seq.lease = None
@@ -94,7 +95,9 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.phase = Phase.PREFILL
-    seq.prefill_started_at = time.monotonic()
+    seq.prefill_started_at = started
+    # Building the fork is lazy: its one copy of the reused KV runs with the first forward pass.
+    seq.lookup_seconds = time.monotonic() - started
     fault_point("start_prefill")
 
 

@@ -52,6 +52,7 @@ class SequenceState:
     completion_tokens: int = 0
     started_at: float = field(default_factory=time.monotonic)
     prefill_started_at: float | None = None
+    lookup_seconds: float = 0.0  # store match and fork
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
@@ -129,7 +130,9 @@ class SequenceState:
             "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": self.completion_tokens},
             "cache": self.report.to_wire(),
             "timings": {
-                "queue_ms": _ms(self.started_at - enqueued),
+                "queue_ms": _ms(self.started_at - enqueued),  # includes encode_ms
+                "encode_ms": _ms(self.prompt.encode_seconds),
+                "lookup_ms": _ms(self.lookup_seconds),  # part of prefill_ms
                 "ttft_ms": _ms(first - enqueued),
                 "prefill_ms": _ms(first - prefill_started),
                 "decode_ms": _ms(decode_seconds),

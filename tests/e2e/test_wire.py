@@ -17,7 +17,7 @@ CACHE_KEYS = {
     "prompt_tokens", "reused_tokens", "prefilled_tokens", "stored_tokens", "hit", "checkpoint", "age_s",
     "saved_ms_est", "source", "miss_reason", "diverged_at", "diverged_message",
 }
-TIMING_KEYS = {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "total_ms", "decode_tokens_per_s"}
+TIMING_KEYS = {"queue_ms", "encode_ms", "lookup_ms", "ttft_ms", "prefill_ms", "decode_ms", "total_ms", "decode_tokens_per_s"}
 STORE_STAT_KEYS = {
     "num_nodes", "num_sequences", "num_bytes", "max_bytes", "pinned_bytes", "max_pinned_bytes", "num_hits",
     "num_partial_hits", "num_misses", "num_reused_tokens", "num_lookup_tokens", "num_evictions",
@@ -104,6 +104,8 @@ def test_generate_result_has_the_documented_maps(shared_daemon):
     assert all(isinstance(value, float) for value in result["timings"].values())
     timings = result["timings"]
     assert 0 <= timings["queue_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
+    assert 0 < timings["encode_ms"] <= timings["queue_ms"]  # encoded on a worker thread before admission
+    assert 0 <= timings["lookup_ms"] <= timings["prefill_ms"]
 
 
 def test_streaming_sends_chunks_before_the_response_and_they_add_up(shared_daemon):

@@ -28,7 +28,7 @@ CACHE = {
     "hit": "partial", "checkpoint": "message", "age_s": 3.5, "saved_ms_est": 800.0, "source": "memory",
     "miss_reason": "diverged", "diverged_at": 1204, "diverged_message": {"index": 3, "role": "user"},
 }
-TIMINGS = {"queue_ms": 0.1, "ttft_ms": 210.0, "prefill_ms": 200.0, "decode_ms": 52.0, "total_ms": 262.0,
+TIMINGS = {"queue_ms": 0.1, "encode_ms": 0.05, "lookup_ms": 0.2, "ttft_ms": 210.0, "prefill_ms": 200.0, "decode_ms": 52.0, "total_ms": 262.0,
            "decode_tokens_per_s": 38.5}
 
 
