@@ -24,7 +24,7 @@ from .faults import fault_point
 from .inbox import Inbox
 from .jobs import FAILED, GenerateJob
 from .scheduler import Scheduler, internal_error
-from .settings import EngineSettings
+from .settings import EngineSettings, default_prefill_chunk
 
 T = TypeVar("T")
 log = structlog.get_logger("prefixd.engine")
@@ -64,6 +64,7 @@ class Engine:
         self.cards: dict[str, ModelCard] = {}  # read by the front: names, fingerprints, encoders
         self.default_model: str | None = None
         self.store: PrefixStore | None = None  # set once the models are loaded
+        self.prefill_chunk: int | None = settings.prefill_chunk  # None until the device is known
         self.scheduler: Scheduler | None = None
         self.controls = ControlCalls(self)
         self._held_job: GenerateJob | None = None  # admitted once memory frees up
@@ -227,6 +228,10 @@ class Engine:
                 return
 
     def _load_all(self) -> None:
+        import mlx.core as mx  # the engine thread is the one MLX thread
+
+        self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
+        log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         for spec in self.settings.model_specs:
             loaded = load_model(spec, dtype=self.settings.dtype)
             if loaded.name in self.models:
@@ -257,7 +262,7 @@ class Engine:
         )
         self.scheduler = Scheduler(
             self.store,
-            chunk_size=self.settings.prefill_chunk,
+            chunk_size=self.prefill_chunk,
             max_active=self.settings.max_active,
             kv_budget_bytes=self.settings.cache_bytes,
             resolve_model=self.model_for,

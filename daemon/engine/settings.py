@@ -9,10 +9,20 @@ from dataclasses import dataclass
 class EngineSettings:
     model_specs: tuple[str, ...]
     dtype: str
-    prefill_chunk: int  # tokens per prefill pass; every chunk end is a cache checkpoint
+    prefill_chunk: int | None  # tokens per prefill pass; every chunk end is a cache checkpoint; None: by device
     cache_bytes: int  # the prefix store and the running sequences' KV share this budget
     cache_nodes: int
     pinned_bytes: int
     max_queued: int
     max_queued_per_client: int
     max_active: int  # sequences prefilling or decoding at once
+
+
+CPU_PREFILL_CHUNK = 512
+# On a GPU one pass of 2k tokens costs little more than one of 512, and every
+# pass carries fixed costs (a store insert, a sync): fewer, larger passes.
+GPU_PREFILL_CHUNK = 2048
+
+
+def default_prefill_chunk(on_gpu: bool) -> int:
+    return GPU_PREFILL_CHUNK if on_gpu else CPU_PREFILL_CHUNK
