@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -74,6 +75,8 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     record = _fingerprint(src, dtype)
     if read_import_record(out) == record:
         return out
+    show = sys.stderr.isatty() if progress is None else progress
+    _say(show, f"reading {src.name}")  # a large vocabulary takes the reader tens of seconds
     source = GGUFFile(src)
     arch = architecture_of(source.metadata, src.name)  # fail before the slow part
     source.check_types()
@@ -85,11 +88,12 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the model dir should be readable
+        _say(show, f"rebuilding the {arch.name} tokenizer")
         eos_ids = save_tokenizer(source.metadata, arch.name, arch.end_tokens, tmp)
         if eos_ids:
             config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
         writer = ShardWriter(tmp)
-        for gguf_name, mlx_name in _with_progress(source, names, progress):
+        for gguf_name, mlx_name in _with_progress(source, names, show):
             writer.add(convert_tensor(source, gguf_name, mlx_name, arch.transform, config, dtype))
         writer.finish()
         if quantization := quantization_config(dtype, writer.shapes):
@@ -106,13 +110,18 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     return out
 
 
-def _with_progress(source: GGUFFile, names: dict[str, str], progress: bool | None):
+def _say(show: bool, message: str) -> None:
+    if show:
+        print(f"prefixd import-gguf: {message} ...", file=sys.stderr, flush=True)
+
+
+def _with_progress(source: GGUFFile, names: dict[str, str], show: bool):
     """Yield (gguf name, mlx name), advancing a bar by each tensor's bytes in the file."""
     from tqdm import tqdm
 
     total = sum(source.num_bytes(n) for n in names)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"importing {source.name}",
-              disable=None if progress is None else not progress) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {source.name}",
+              disable=not show) as bar:
         for gguf_name, mlx_name in names.items():
             yield gguf_name, mlx_name
             bar.update(source.num_bytes(gguf_name))
