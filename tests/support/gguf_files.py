@@ -16,6 +16,7 @@ their float16 scales set to small finite values, which is still a valid block of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -127,8 +128,11 @@ def _lfm2_layer(i: int):
                      ("attn_k_norm", "self_attn.k_layernorm", (HEAD_DIM,))]
 
 
-def write_tiny_gguf(arch: str, qtype: Q, path: Path, seed: int = 0) -> tuple[Path, dict, dict]:
-    """Write the file; return (path, reference mlx-lm config, {mlx name: float32 reference})."""
+def write_tiny_gguf(arch: str, qtype: Q, path: Path, seed: int = 0,
+                    extra: Callable[[gguf.GGUFWriter], None] | None = None) -> tuple[Path, dict, dict]:
+    """Write the file; return (path, reference mlx-lm config, {mlx name: float32 reference}).
+
+    extra(writer) adds what a test wants beside the model (a tensor of another type, ...)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     config = _metadata(writer, arch)
@@ -157,6 +161,8 @@ def write_tiny_gguf(arch: str, qtype: Q, path: Path, seed: int = 0) -> tuple[Pat
                                  s["high_freq_factor"], s["original_max_position_embeddings"])
         writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
     add_tokenizer(writer, arch)
+    if extra:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -44,24 +44,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
     assert not out.exists()
 
 
-def _tiny_llama(tmp_path, name: str, extra=None, qtype=Q.Q8_0):
-    """The tiny llama of tests/support/gguf_files.py, plus one extra tensor or metadata entry."""
-    from tests.support import gguf_files
+def _tiny_llama(tmp_path, name: str, extra):
+    """The tiny llama of tests/support/gguf_files.py, plus what extra(writer) adds."""
+    from tests.support.gguf_files import write_tiny_gguf
 
-    path = tmp_path / name
-    original = gguf_files.add_tokenizer
-
-    def add_tokenizer(writer, arch):
-        original(writer, arch)
-        if extra:
-            extra(writer)
-
-    gguf_files.add_tokenizer = add_tokenizer
-    try:
-        gguf_files.write_tiny_gguf("llama", qtype, path)
-    finally:
-        gguf_files.add_tokenizer = original
-    return path
+    return write_tiny_gguf("llama", Q.Q8_0, tmp_path / name, extra=extra)[0]
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
