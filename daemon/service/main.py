@@ -74,6 +74,9 @@ def resolve_dtype(requested: str) -> str:
     return "auto"
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = build_parser().parse_args(argv)
@@ -122,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                               disk_cache=DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval) if args.disk_cache_bytes else None)
     log.info("daemon_starting", blas=blas or "bundled", dtype=engine.dtype, cache_bytes=cache_bytes, prefill_chunk=engine.prefill_chunk or "auto",
              config_file=str(config.path) if config.file_found else None)
+    # The engine thread builds each forward pass in Python and holds the GIL
+    # meanwhile; with CPython's default 5 ms switch interval a token the engine
+    # has handed out could wait that long for the event loop to write it.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         import uvloop
 

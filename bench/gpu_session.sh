@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every GPU figure of one session, in one device call (see ../shared/gpu/README.md for the set-up):
+#   source .gpu/b/install.sh && bash bench/gpu_session.sh STEP...
+# Steps: floor, probe, quick, full, chunk512, concurrency, lfm2-quick, lfm2-full.
+# Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
+# into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
+# most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
+set -uo pipefail
+out=${OUT:?run on the device: OUT is where results go}/raw
+mkdir -p "$out"
+budget=${BUDGET_S:-560}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,temperature.gpu --format=csv > "$out/nvidia-smi.txt" 2>&1
+[ -f COMMIT ] && cp COMMIT "$out/"
+
+step() {  # step NAME COMMAND...: run it under the time left, log to $out/NAME.log
+  local name=$1; shift
+  local left=$((budget - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$out/skipped.txt"; return; fi
+  echo "== $name (${left}s left)"
+  local started=$SECONDS
+  timeout -s INT "$left" "$@" > "$out/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - started))s" | tee -a "$out/steps.txt"
+  tail -n 25 "$out/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    floor) step floor python3 .gpu/b/floor.py /tmp/q06 4000 ;;
+    probe) step probe python3 bench/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
+    quick) step quick python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick" ;;
+    full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
+    chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;
+    concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick ;;
+    lfm2-quick) step lfm2-quick python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick" ;;
+    lfm2-full) step lfm2-full python3 bench/compare.py --model /tmp/lfm2 --out "$out/lfm2-full" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+find "$out" -name '*.png' -delete
+tar -czf "$OUT/gpu_results.tgz" -C "$OUT" raw && rm -rf "$out"
+ls -la "$OUT"

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""What a forward pass at a length MLX has not run before costs, and whether padding to a few lengths avoids it.
+
+    python bench/shape_probe.py MODEL_DIR [--context 3000] [--json OUT]
+
+On a GPU, chat and editor tails always have new lengths, and the first pass at
+a new length was seen to cost 60-130 ms more than a repeat (issue 13). This
+probe separates what that cost depends on, on a warm cache of ``--context``
+tokens (a fork of one prefilled cache, as prefixd makes it):
+
+1. tails of new lengths: first pass vs an immediate repeat of the same length;
+2. the same tail length at another cache depth: is the cost per tail length, or
+   per (depth, length)?
+3. tails padded up to a multiple of 64 (padding after the real tokens, then the
+   cache trimmed back): first pass at a padded length already seen, and the
+   largest difference of the real tokens' last logits against the unpadded pass;
+4. one decode step at new cache depths (first vs repeat).
+Prints a table per part; timings are medians where repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prefixd.daemon.models.blas import preload_blas  # noqa: E402
+
+preload_blas()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+BUCKET = 64
+
+
+def fork(model, base: list) -> list:
+    """A cache holding the base's KV, one copy, as prefixd's fork makes it."""
+    cache = make_prompt_cache(model)
+    for layer, stored in zip(cache, base):
+        keys, values, offset = stored
+        layer.keys, layer.values, layer.offset = mx.array(keys), mx.array(values), offset
+    return cache
+
+
+def timed_pass(model, base, tokens: list[int], pad_to: int | None = None) -> tuple[float, mx.array]:
+    cache = fork(model, base)
+    mx.eval([c.keys for c in cache])
+    inputs = tokens + [0] * ((pad_to or len(tokens)) - len(tokens))
+    started = time.perf_counter()
+    logits = model(mx.array(inputs)[None], cache=cache)[0, len(tokens) - 1]
+    if pad_to:
+        for c in cache:
+            c.trim(pad_to - len(tokens))
+    mx.eval(logits, [c.keys for c in cache])
+    return (time.perf_counter() - started) * 1000, logits
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--context", type=int, default=3000)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    model, tokenizer = load(args.model)
+    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 32000
+    rng = __import__("random").Random(0)
+    tokens = [rng.randrange(100, min(vocab, 30000)) for _ in range(args.context + 600)]
+
+    def prefill(n: int) -> list:
+        cache = make_prompt_cache(model)
+        model(mx.array(tokens[:n])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset) for c in cache]
+
+    prefill(args.context)  # the first pass at this length is not what is measured
+    base = prefill(args.context)
+    base_other = prefill(args.context + 37)
+    out: dict = {"device": str(mx.default_device()), "context": args.context, "mlx": mx.__version__}
+    tail = tokens[args.context + 40:]
+
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, context {args.context} tokens")
+    print("\n1. tails of new lengths (ms): first pass, repeat")
+    rows = []
+    for n in (37, 38, 61, 83, 97, 130, 201, 333):
+        first, _ = timed_pass(model, base, tail[:n])
+        repeat = statistics.median(timed_pass(model, base, tail[:n])[0] for _ in range(3))
+        rows.append({"tail": n, "first_ms": first, "repeat_ms": repeat})
+        print(f"   tail {n:4d}: first {first:8.1f}  repeat {repeat:7.1f}")
+    out["new_lengths"] = rows
+
+    print("\n2. the same tail lengths at another depth (context + 37): first pass")
+    rows = []
+    for n in (37, 61, 97):
+        first, _ = timed_pass(model, base_other, tail[:n])
+        rows.append({"tail": n, "first_ms": first})
+        print(f"   tail {n:4d}: first {first:8.1f}")
+    out["other_depth"] = rows
+
+    print(f"\n3. tails padded to a multiple of {BUCKET} (ms, first pass of a new real length) and logit difference")
+    rows = []
+    for n in (40, 45, 50, 70, 90, 110, 150, 170):  # new real lengths, padded lengths 64/128/192
+        padded = -(-n // BUCKET) * BUCKET
+        first, logits_padded = timed_pass(model, base, tail[:n], pad_to=padded)
+        _, logits_plain = timed_pass(model, base, tail[:n])
+        diff = float(mx.max(mx.abs(logits_padded.astype(mx.float32) - logits_plain.astype(mx.float32))))
+        scale = float(mx.max(mx.abs(logits_plain.astype(mx.float32))))
+        same_argmax = int(mx.argmax(logits_padded)) == int(mx.argmax(logits_plain))
+        rows.append({"tail": n, "padded": padded, "first_ms": first, "max_abs_diff": diff, "scale": scale,
+                     "same_argmax": same_argmax})
+        print(f"   tail {n:4d} -> {padded:4d}: first {first:8.1f}  max |diff| {diff:.4g} of {scale:.3g}  same argmax {same_argmax}")
+    out["padded"] = rows
+
+    print("\n4. one decode step at new cache depths (ms): first, repeat")
+    rows = []
+    for extra in (1, 2, 3, 50, 300):
+        depth_base = prefill(args.context + extra)
+        first, _ = timed_pass(model, depth_base, tail[:1])
+        repeat = statistics.median(timed_pass(model, depth_base, tail[:1])[0] for _ in range(3))
+        rows.append({"depth": args.context + extra, "first_ms": first, "repeat_ms": repeat})
+        print(f"   depth {args.context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}")
+    out["decode_depths"] = rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
