@@ -21,6 +21,7 @@ from ..engine.engine import Engine
 from ..engine.jobs import CHUNK, DONE, GenerateJob
 from ..models.names import model_not_found
 from .connection import Connection
+from .event_mailbox import EventMailbox
 from .prompt_intake import PromptIntake
 
 # (model fingerprint, prompt tokens) -> returns once what the disk cache holds of that prompt is in memory
@@ -38,6 +39,7 @@ class Handlers:
         self.prefetch: Prefetch | None = None  # set by the server while the disk cache loads
         self.started_at = time.time()
         self._draining: set[asyncio.Task] = set()  # log the end of jobs nobody waits for
+        self._mailbox: EventMailbox | None = None  # engine events onto the loop, batched
         self._table = {
             m.HELLO: self.hello,
             m.PING: self.ping,
@@ -146,13 +148,13 @@ class Handlers:
         """
         self._check_model(params.model)
         loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = EventMailbox(loop)
+        mailbox = self._mailbox
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(kind: str, payload: Any) -> None:  # called on the engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            except RuntimeError:
-                pass  # the loop is gone: the daemon is exiting
+            mailbox.post(events, (kind, payload))
 
         job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only)
         if jobs is not None:
