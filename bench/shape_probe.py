@@ -69,9 +69,9 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     model, tokenizer = load(args.model)
-    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 32000
+    vocab = len(tokenizer.vocab)
     rng = __import__("random").Random(0)
-    tokens = [rng.randrange(100, min(vocab, 30000)) for _ in range(args.context + 600)]
+    tokens = [rng.randrange(min(100, vocab // 2), min(vocab, 30000)) for _ in range(args.context + 600)]
 
     def prefill(n: int) -> list:
         cache = make_prompt_cache(model)
