@@ -14,7 +14,10 @@ tokens (a fork of one prefilled cache, as prefixd makes it):
 3. tails padded up to a multiple of 64 (padding after the real tokens, then the
    cache trimmed back): first pass at a padded length already seen, and the
    largest difference of the real tokens' last logits against the unpadded pass;
-4. one decode step at new cache depths (first vs repeat).
+4. one decode step at new cache depths (first vs repeat);
+5. tails of new lengths with an explicit boolean mask instead of mlx-lm's
+   "causal" (which takes MLX's fused attention for a multi-token pass): does
+   the first-pass cost belong to that kernel?
 Prints a table per part; timings are medians where repeated.
 """
 
@@ -126,6 +129,26 @@ def main() -> int:
         rows.append({"depth": args.context + extra, "first_ms": first, "repeat_ms": repeat})
         print(f"   depth {args.context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}")
     out["decode_depths"] = rows
+
+    print("\n5. tails of new lengths with an explicit array mask (ms): first, repeat")
+    from mlx_lm.models import cache as cache_module
+
+    original = cache_module.KVCache.make_mask
+    cache_module.KVCache.make_mask = lambda self, *a, **k: original(self, *a, **{**k, "return_array": True})
+    rows = []
+    try:
+        for n in (41, 67, 99, 141, 229):
+            first, logits_masked = timed_pass(model, base, tail[:n])
+            repeat = statistics.median(timed_pass(model, base, tail[:n])[0] for _ in range(3))
+            cache_module.KVCache.make_mask = original
+            _, logits_causal = timed_pass(model, base, tail[:n])
+            cache_module.KVCache.make_mask = lambda self, *a, **k: original(self, *a, **{**k, "return_array": True})
+            diff = float(mx.max(mx.abs(logits_masked.astype(mx.float32) - logits_causal.astype(mx.float32))))
+            rows.append({"tail": n, "first_ms": first, "repeat_ms": repeat, "max_abs_diff_vs_causal": diff})
+            print(f"   tail {n:4d}: first {first:8.1f}  repeat {repeat:7.1f}  max |diff| vs causal {diff:.4g}")
+    finally:
+        cache_module.KVCache.make_mask = original
+    out["array_mask"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
