@@ -127,7 +127,10 @@ def machine_meta(args, model_dir: Path) -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor() or "unknown")
     mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    # A tree exported for another machine carries its commit in COMMIT (git there may see another repo).
+    stamp = REPO / "COMMIT"
+    commit = stamp.read_text().strip() if stamp.is_file() else subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu,
             "cores": os.cpu_count(), "ram_gib": mem_kb / 2**20, "platform": platform.platform(),
             "mlx": metadata.version("mlx"), "mlx_lm": metadata.version("mlx-lm"), "prefixd_commit": commit or "unknown",

@@ -93,7 +93,8 @@ class PrefixdPeer(_Peer):
 
     def __init__(self, model_dir: Path, workdir: Path):
         self.daemon = Daemon(model_dir, workdir)
-        self.settings = "defaults (--dtype auto = float32, --prefill-chunk 512); OpenBLAS loaded by the daemon itself"
+        chunk = os.environ.get("PREFIXD_PREFILL_CHUNK", "by device: 512 on a CPU, 2048 on a GPU")
+        self.settings = f"defaults (--dtype auto: float32 on a CPU, as stored on a GPU; --prefill-chunk {chunk}); OpenBLAS loaded by the daemon itself on a CPU"
 
     def start(self) -> None:
         self.daemon.start()
