@@ -26,6 +26,8 @@ from .solo_decoder import SoloDecoder
 
 # Generous ceilings: admission (scheduler.py) is what limits the batch.
 MAX_BATCH = 64
+# The last row of a batch returns to the solo path when at least this many tokens are left to it.
+MIN_SOLO_TOKENS_LEFT = 8
 
 
 class StepEvent(NamedTuple):
@@ -151,6 +153,8 @@ class BatchDecoder:
         """One decode step for every sequence in the batch."""
         fault_point("decode_step")
         events, self._carried = self._carried, []
+        if self._solo is None and len(self._by_uid) == 1:
+            self._leave_batch_alone()
         if self._solo is not None:
             token, done = self._solo.step()
             solo = self._solo
@@ -170,6 +174,32 @@ class BatchDecoder:
                 del self._by_uid[response.uid]
             events.append(StepEvent(seq, int(response.token), finished, response.prompt_cache))
         return events
+
+    def _leave_batch_alone(self) -> None:
+        """The last row of a batch goes back to the solo path, if enough of its answer is left.
+
+        On a GPU a batch step of even two rows cost as much as two solo steps
+        (bench/batch_probe.py), so the one left after the others finished would
+        decode at half speed to its end. The move costs one copy of its KV
+        (the batch's row without padding) and one step computed again: the
+        batch had fed the row's last token already, so the copy is trimmed by
+        one and the solo decoder feeds it anew. Attention-only caches only
+        (a conv/SSM state cannot be trimmed).
+        """
+        ((uid, seq),) = self._by_uid.items()
+        remaining = seq.params.max_tokens - len(seq.generated)
+        layout = seq.loaded.layout
+        if remaining < MIN_SOLO_TOKENS_LEFT or not seq.generated or layout.is_hybrid or not layout.is_supported:
+            return
+        entry = self._generator.remove([uid], return_prompt_caches=True).get(uid)
+        del self._by_uid[uid]
+        cache = entry[0]
+        for layer in cache:
+            layer.trim(1)
+        seq.cache = cache
+        self._solo = SoloDecoder(self._model, seq, seq.generated[-1], remaining, sampler_for(seq),
+                                 self._eos_token_ids, self._generator.stream)
+        seq.cache = None  # the solo decoder owns it now
 
     def holds(self, seq: SequenceState) -> bool:
         return (self._solo is not None and self._solo.seq is seq) or self._by_uid.get(seq.uid) is seq
