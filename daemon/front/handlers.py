@@ -26,6 +26,8 @@ from .prompt_intake import PromptIntake
 
 # (model fingerprint, prompt tokens) -> returns once what the disk cache holds of that prompt is in memory
 Prefetch = Callable[[str, list[int]], Awaitable[None]]
+# (the job, its result map or the RpcError it ended with) -> None; called on the loop as each job ends (metrics)
+JobObserver = Callable[[GenerateJob, "dict | RpcError"], None]
 
 log = structlog.get_logger("prefixd.request")
 DAEMON_VERSION = "0.1.0"
@@ -37,6 +39,7 @@ class Handlers:
         self.engine = engine
         self.intake = PromptIntake(engine)
         self.prefetch: Prefetch | None = None  # set by the server while the disk cache loads
+        self.observers: list[JobObserver] = []  # told of every job's end, whichever front sent it
         self.started_at = time.time()
         self._draining: set[asyncio.Task] = set()  # log the end of jobs nobody waits for
         self._mailbox: EventMailbox | None = None  # engine events onto the loop, batched
@@ -162,9 +165,11 @@ class Handlers:
         try:
             await self._prepare(job)
             self.engine.submit(job)
-        except BaseException:
+        except BaseException as exc:
             if jobs is not None:
                 jobs.pop(msgid, None)
+            if isinstance(exc, RpcError):
+                self._observe(job, exc)
             raise
         try:
             while True:
@@ -174,9 +179,11 @@ class Handlers:
                         on_chunk(payload)
                 elif kind == DONE:
                     self._log_request(client_id, job, payload)
+                    self._observe(job, payload)
                     return payload
                 else:
                     log.info("request_failed", request_id=job.request_id, code=payload.code, error=payload.message)
+                    self._observe(job, payload)
                     raise payload
         except asyncio.CancelledError:
             self.engine.cancel(job)  # nobody waits for it any more: free the engine
@@ -204,9 +211,18 @@ class Handlers:
             kind, payload = await events.get()
             if kind == DONE:
                 self._log_request(client_id, job, payload)
+                self._observe(job, payload)
                 return
             if kind != CHUNK:
+                self._observe(job, payload)
                 return
+
+    def _observe(self, job: GenerateJob, outcome: "dict | RpcError") -> None:
+        for observer in self.observers:
+            try:
+                observer(job, outcome)
+            except Exception:  # an observer's bug must not fail the request it watches
+                log.exception("job_observer_failed", request_id=job.request_id)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.engine.model_names:

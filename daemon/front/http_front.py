@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
-import json
 import os
 import socket
 from pathlib import Path
@@ -35,21 +33,19 @@ import structlog
 from aiohttp import web
 
 from ...protocol.codec import MAX_MESSAGE_BYTES
-from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.errors import RpcError
 from ..engine.jobs import GenerateJob
 from ..models.names import model_not_found
+from . import anthropic_api, http_errors, infill_api, metrics, ollama_api
 from . import openai_shapes as shapes
 from .handlers import Handlers
+from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, sse_data
 from .http_options import is_loopback
 from .listener import SocketFile, bind_unix_socket
 from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
 
 log = structlog.get_logger("prefixd.http")
 READ_TIMEOUT_SECONDS = 30.0  # for one request's head and body; generous for a local client on any link
-_request_ids = itertools.count(1)
-_HANDLERS_KEY = web.AppKey("handlers", Handlers)
-_FRONT_KEY = web.AppKey("front", object)
-_CLIENT_KEY = web.RequestKey("client_id", str) if hasattr(web, "RequestKey") else "prefixd_client_id"  # aiohttp >= 3.12
 
 
 class HttpFront:
@@ -115,10 +111,14 @@ async def start_http_front(
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    ollama_api.add_routes(app.router)
+    anthropic_api.add_routes(app.router)
+    infill_api.add_routes(app.router)
+    metrics.add_routes(app.router, handlers)
     path = Path(unix_path).expanduser() if unix_path is not None else None
     front = HttpFront(app, path, token, peer_policy or PeerPolicy(), shutdown_timeout)
-    app[_HANDLERS_KEY] = handlers
-    app[_FRONT_KEY] = front
+    app[HANDLERS_KEY] = handlers
+    app[FRONT_KEY] = front
     await front.runner.setup()
     loop = asyncio.get_running_loop()
 
@@ -218,18 +218,19 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
 
 
 async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]], deadline: _ReadDeadline | None) -> web.StreamResponse:
-    front: HttpFront = request.app[_FRONT_KEY]
+    front: HttpFront = request.app[FRONT_KEY]
     sock = request.transport.get_extra_info("socket") if request.transport else None
     peer = peer_credentials(sock)
-    request[_CLIENT_KEY] = _client_id(request, peer)
-    structlog.contextvars.bind_contextvars(client=request[_CLIENT_KEY], pid=peer.pid, uid=peer.uid, path=request.path)
+    request[CLIENT_KEY] = _client_id(request, peer)
+    structlog.contextvars.bind_contextvars(client=request[CLIENT_KEY], pid=peer.pid, uid=peer.uid, path=request.path)
     if (refusal := front.peer_policy.refusal(peer)) is not None:
         log.warning("client_refused", reason=refusal)
-        return _json_error(403, refusal, "permission_error")
+        return _json_error(request, 403, refusal, "permission_error")
     if front.token is not None and _over_tcp(sock) and not _token_matches(request, front.token):
         log.warning("http_unauthorized")
-        return _json_error(401, "a valid bearer token is required (Authorization: Bearer ...); OpenAI clients send it as their API key. "
-                                "The daemon's http_token log line says which file holds it", code="invalid_api_key")
+        return _json_error(request, 401, "a valid bearer token is required (Authorization: Bearer ..., or x-api-key: ...); "
+                                         "OpenAI and Anthropic clients send it as their API key. "
+                                         "The daemon's http_token log line says which file holds it", code="invalid_api_key")
     try:
         if request.body_exists:
             await request.read()  # under the deadline; the endpoints then parse the cached bytes
@@ -237,15 +238,15 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
             deadline.stop()
         return await handler(request)
     except RpcError as err:
-        status, body = shapes.error_body(err)
-        return web.json_response(body, status=status)
+        error = http_errors.from_rpc(err)
+        return web.json_response(http_errors.body_for_path(request.path, error), status=error.status)
     except web.HTTPException as exc:  # aiohttp's own: 404 route, 405 method, 413 body size
         if exc.status < 400:
             raise
-        return _json_error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code=None)
+        return _json_error(request, exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code=None)
     except Exception as exc:
         log.exception("http_handler_failed")
-        return _json_error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return _json_error(request, 500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
 def _over_tcp(sock: Any) -> bool:
@@ -263,32 +264,28 @@ def _client_id(request: web.Request, peer: PeerCredentials) -> str:
 
 
 def _token_matches(request: web.Request, token: str) -> bool:
+    # Bearer for OpenAI and Ollama clients (and Anthropic's with an auth token); x-api-key for Anthropic's API key.
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    if scheme.lower() == "bearer":
+        return hmac.compare_digest(given.strip().encode(), token.encode())
+    return hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), token.encode())
 
 
-def _json_error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
-    return web.json_response(shapes.http_error_body(message, kind, code), status=status)
-
-
-async def _json_body(request: web.Request) -> Any:
-    try:
-        text = await request.text()
-    except UnicodeDecodeError as exc:
-        raise RpcError(ErrorCode.INVALID_PARAMS, f"the request body is not valid UTF-8: {exc}") from None
-    return shapes.parse_json_body(text)
+def _json_error(request: web.Request, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
+    error = http_errors.HttpError(status, message, kind, code)
+    return web.json_response(http_errors.body_for_path(request.path, error), status=status)
 
 
 # -- endpoints ---------------------------------------------------------------------------
 
 
 async def list_models(request: web.Request) -> web.Response:
-    handlers = request.app[_HANDLERS_KEY]
+    handlers = request.app[HANDLERS_KEY]
     return web.json_response(shapes.models_list(handlers.engine.model_names, int(handlers.started_at)))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    handlers = request.app[_HANDLERS_KEY]
+    handlers = request.app[HANDLERS_KEY]
     name = request.match_info["model"]
     if name not in handlers.engine.model_names:
         raise model_not_found(name, handlers.engine.model_names)
@@ -296,67 +293,41 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await _json_body(request)
+    body = await json_body(request)
     return await _generate(request, shapes.chat_request(body), chat=True, include_usage=shapes.wants_usage(body))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await _json_body(request)
+    body = await json_body(request)
+    if isinstance(body, dict) and body.get("suffix"):  # fill-in-the-middle: the model's FIM tokens around prompt and suffix
+        body = await infill_api.completion_with_suffix(request, body)
     return await _generate(request, shapes.completion_request(body), chat=False, include_usage=shapes.wants_usage(body))
 
 
 async def _generate(request: web.Request, params: Any, chat: bool, include_usage: bool) -> web.StreamResponse:
-    handlers: Handlers = request.app[_HANDLERS_KEY]
-    front: HttpFront = request.app[_FRONT_KEY]
-    reply = shapes.Reply(chat, params.model or handlers.engine.default_model or "")
-    number = next(_request_ids)
-    events: asyncio.Queue = asyncio.Queue()
-    job = asyncio.create_task(
-        handlers.run_job(request[_CLIENT_KEY], number, params, on_chunk=events.put_nowait, jobs=front.jobs)
-    )
-    job.add_done_callback(lambda _: events.put_nowait(None))
-    try:
+    reply = shapes.Reply(chat, params.model or request.app[HANDLERS_KEY].engine.default_model or "")
+    async with RunningJob(request, params) as job:
         if not params.stream:
-            return web.json_response(reply.complete(await job))
-        return await _stream(request, reply, job, events, include_usage)
-    finally:
-        job.cancel()  # a no-op once it is done; otherwise the client went away
+            return web.json_response(reply.complete(await job.result()))
+        return await _stream(request, reply, job, include_usage)
 
 
-async def _stream(
-    request: web.Request, reply: shapes.Reply, job: asyncio.Task, events: asyncio.Queue, include_usage: bool
-) -> web.StreamResponse:
-    # The response starts with the first chunk, so an error that comes before
-    # any text (prompt too long, overloaded) still gets its HTTP status.
-    response: web.StreamResponse | None = None
-    while (chunk := await events.get()) is not None:
-        if response is None:
-            response = await _start_sse(request)
-            await _send(response, reply.chunk(first=True))
-        await _send(response, reply.chunk(chunk["text"]))
+async def _stream(request: web.Request, reply: shapes.Reply, job: RunningJob, include_usage: bool) -> web.StreamResponse:
+    stream = LazyStream(request, "text/event-stream", sse_data)
+    async for chunk in job.chunks():
+        if not stream.started:
+            await stream.send(reply.chunk(first=True))
+        await stream.send(reply.chunk(chunk["text"]))
     try:
-        result = job.result()
+        result = await job.result()
     except RpcError as err:
-        if response is None:
+        if not stream.started:
             raise
-        await _send(response, shapes.error_body(err)[1])  # the openai client raises APIError on this
-        return response
-    if response is None:
-        response = await _start_sse(request)
-        await _send(response, reply.chunk(first=True))
-    await _send(response, reply.closing_chunk(result))
+        await stream.send(shapes.error_body(err)[1])  # the openai client raises APIError on this
+        return await stream.finish()
+    if not stream.started:
+        await stream.send(reply.chunk(first=True))
+    await stream.send(reply.closing_chunk(result))
     if include_usage:
-        await _send(response, reply.usage_chunk(result))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-async def _start_sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await response.prepare(request)
-    return response
-
-
-async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        await stream.send(reply.usage_chunk(result))
+    return await stream.finish(b"data: [DONE]\n\n")

@@ -14,109 +14,27 @@ do. Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
 
 from __future__ import annotations
 
-import json
-import re
 import time
 import uuid
 from typing import Any
 
 from ...protocol import methods as m
-from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.errors import RpcError
+from . import http_errors
+from .json_body import parse_json_body  # noqa: F401  (shapes.parse_json_body, as before)
 
-# prefixd error code -> (HTTP status, OpenAI error type, OpenAI error code)
-_HTTP_ERRORS: dict[int, tuple[int, str, str | None]] = {
-    ErrorCode.INVALID_PARAMS: (400, "invalid_request_error", None),
-    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error", None),
-    ErrorCode.METHOD_NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    ErrorCode.PROMPT_TOO_LONG: (413, "invalid_request_error", "context_length_exceeded"),
-    ErrorCode.MESSAGE_TOO_LARGE: (413, "invalid_request_error", "request_too_large"),
-    ErrorCode.OVERLOADED: (503, "server_error", "overloaded"),
-    ErrorCode.SHUTTING_DOWN: (503, "server_error", "shutting_down"),
-    ErrorCode.CANCELLED: (499, "server_error", "cancelled"),
-}
 _FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length"}
-
-# Limits on what a request body may hold, so that a hostile one is a 400, not a 500 deep in the daemon.
-MAX_JSON_DEPTH = 100  # OpenAI's bodies nest about 5 deep (messages[i].content[j].text); tool schemas a little more
-MAX_INTEGER_DIGITS = 100  # the largest integer the API takes is a 64-bit seed: 20 digits
-_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one survives json.loads, then breaks the tokenizer
-
-
-def _invalid(message: str, param: str | None = None) -> RpcError:
-    return RpcError(ErrorCode.INVALID_PARAMS, message, {"param": param} if param else None)
+_invalid = http_errors.invalid
 
 
 def error_body(err: RpcError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI-shaped body for a prefixd error."""
-    status, kind, code = _HTTP_ERRORS.get(err.code, (500, "server_error", None))
-    param = err.data.get("param") if isinstance(err.data, dict) else None
-    if param is None and err.code == ErrorCode.INVALID_PARAMS and err.message.startswith("'"):
-        param = err.message.split("'")[1]  # the validators name the field first: "'max_tokens' must be ..."
-    return status, {"error": {"message": err.message, "type": kind, "param": param, "code": code, "prefixd_code": err.code}}
+    error = http_errors.from_rpc(err)
+    return error.status, http_errors.openai_body(error)
 
 
 def http_error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-
-# -- request bodies ---------------------------------------------------------------------
-
-
-class _TooManyDigits(ValueError):
-    pass
-
-
-def _bounded_int(digits: str) -> int:
-    # json.loads would call int() itself, which gives up only at 4300 digits, and with a
-    # message about sys.set_int_max_str_digits that means nothing to an HTTP client.
-    if len(digits.lstrip("-")) > MAX_INTEGER_DIGITS:
-        raise _TooManyDigits(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most {MAX_INTEGER_DIGITS} are accepted")
-    return int(digits)
-
-
-def parse_json_body(text: str) -> Any:
-    """A request body's JSON value; INVALID_PARAMS (HTTP 400) saying what is wrong with a bad one.
-
-    Beyond invalid JSON, refused: integers of more than MAX_INTEGER_DIGITS
-    digits, nesting deeper than MAX_JSON_DEPTH, and strings with a lone
-    surrogate escape ("\\ud800"), which JSON allows but is not Unicode text.
-    """
-    too_deep = f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and objects"
-    try:
-        body = json.loads(text, parse_int=_bounded_int)
-    except _TooManyDigits as exc:
-        raise _invalid(str(exc)) from None
-    except RecursionError:  # nesting that reaches the interpreter's recursion limit while parsing
-        raise _invalid(too_deep) from None
-    except json.JSONDecodeError as exc:
-        raise _invalid(f"the request body is not valid JSON: {exc}") from None
-    _check_values(body, too_deep)
-    return body
-
-
-def _check_values(body: Any, too_deep: str) -> None:
-    """Walk the parsed body (without recursion, however deep it is) for what parse_json_body refuses."""
-    pending: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while pending:
-        value, depth, where = pending.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise _invalid(f"{where or 'the request body'}: a lone surrogate escape (such as \\ud800) is not valid Unicode text",
-                               where.split(".")[0].split("[")[0] or None)
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise _invalid(too_deep)
-        if isinstance(value, dict):
-            for key, item in value.items():
-                path = f"{where}.{key}" if where else key
-                if _SURROGATE.search(key):
-                    raise _invalid(f"the key {path!r}: a lone surrogate escape (such as \\ud800) is not valid Unicode text")
-                pending.append((item, depth + 1, path))
-        else:
-            pending.extend((item, depth + 1, f"{where}[{index}]") for index, item in enumerate(value))
+    return http_errors.openai_body(http_errors.HttpError(0, message, kind, code))
 
 
 # -- requests -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from ...protocol.methods import PromptInput
 from ..engine.engine import Engine
@@ -20,6 +21,7 @@ from ..models.names import model_not_found
 from ..models.prompt_encoding import EncodedPrompt
 
 NUM_ENCODE_THREADS = 2
+T = TypeVar("T")
 
 
 class PromptIntake:
@@ -42,6 +44,10 @@ class PromptIntake:
         loop = asyncio.get_running_loop()
         encoded = await loop.run_in_executor(self._pool, card.encoder.encode, prompt, generates)
         return card, encoded
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Other tokenizer work (a model's FIM tokens, a count) on the same threads, off the loop and the engine."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -17,8 +17,8 @@ openai = pytest.importorskip("openai")
 
 
 def fake_handlers():
-    # /v1/models reads only these two; no engine, no model.
-    return SimpleNamespace(engine=SimpleNamespace(model_names=("tiny",), default_model="tiny"), started_at=time.time())
+    # /v1/models reads only these two; no engine, no model. (observers: where /metrics subscribes)
+    return SimpleNamespace(engine=SimpleNamespace(model_names=("tiny",), default_model="tiny"), started_at=time.time(), observers=[])
 
 
 async def get_models(path, headers=None):
@@ -121,7 +121,7 @@ async def read_reply(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 
 async def test_the_read_deadline_starts_again_for_each_request_and_never_cuts_a_slow_reply():
-    async def slow_job(client_id, number, params, on_chunk, jobs):
+    async def slow_job(client_id, number, params, on_chunk, jobs, warm_only=False):
         await asyncio.sleep(1.5)  # longer than the read deadline: answering is not reading
         return {"finish_reason": "stop", "text": "late", "usage": {"prompt_tokens": 1, "completion_tokens": 1},
                 "cache": {"reused_tokens": 0}, "timings": {}}

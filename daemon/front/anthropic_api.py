@@ -1,0 +1,83 @@
+"""Anthropic's Messages API on the HTTP front: POST /v1/messages and /v1/messages/count_tokens.
+
+Streamed replies are server-sent events named by their type (message_start,
+content_block_start, content_block_delta, content_block_stop, message_delta,
+message_stop), as Anthropic's clients read them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from ...protocol.errors import RpcError
+from ...protocol.methods import PromptInput
+from .anthropic_shapes import COUNT_FIELDS, MessagesReply, StopSequences, messages_request, prompt_messages
+from .http_errors import anthropic_body, from_rpc, invalid, reject_unknown
+from .http_jobs import LazyStream, RunningJob, compact_json, handlers_of, json_object
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_post("/v1/messages", messages)
+    router.add_post("/v1/messages/count_tokens", count_tokens)
+
+
+def _named_event(obj: dict[str, Any]) -> bytes:
+    return b"event: " + obj["type"].encode() + b"\ndata: " + compact_json(obj) + b"\n\n"
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = await json_object(request)
+    parsed = messages_request(body, handlers_of(request).engine.default_model or "")
+    stream_reply = body.get("stream", False)
+    if not isinstance(stream_reply, bool):
+        raise invalid("'stream' must be a boolean", "stream")
+    reply = MessagesReply(parsed.model, parsed.notes)
+    stops = StopSequences(parsed.stop_sequences)
+    async with RunningJob(request, parsed.params) as job:
+        if not stream_reply:
+            pieces = []
+            async for chunk in job.chunks():
+                pieces.append(stops.feed(chunk["text"]))
+                if stops.matched is not None:
+                    job.stop_early()
+            result = await job.result()
+            return web.json_response(reply.message(result, "".join(pieces) + stops.flush(), stops.matched))
+        stream = LazyStream(request, "text/event-stream", _named_event)
+
+        async def start(prompt_tokens: int) -> None:
+            for event in reply.start_events(prompt_tokens):
+                await stream.send(event)
+
+        async for chunk in job.chunks():
+            text = stops.feed(chunk["text"])
+            if stops.matched is not None:
+                job.stop_early()
+            if not stream.started:
+                await start(job.prompt_tokens() or 0)  # encoded before any chunk, so known here
+            if text:
+                await stream.send(reply.text_delta(text))
+        try:
+            result = await job.result()
+        except RpcError as err:
+            if not stream.started:
+                raise
+            await stream.send(anthropic_body(from_rpc(err)))  # an "error" event: the client raises on it
+            return await stream.finish()
+        if not stream.started:
+            await start(result["usage"]["prompt_tokens"])
+        if tail := stops.flush():
+            await stream.send(reply.text_delta(tail))
+        for event in reply.end_events(result, stops.matched):
+            await stream.send(event)
+        return await stream.finish()
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    body = await json_object(request)
+    reject_unknown(body, COUNT_FIELDS)
+    chat = prompt_messages(body, notes=[])
+    model = body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None
+    _, encoded = await handlers_of(request).intake.encode(model, PromptInput(messages=tuple(chat)), generates=None)
+    return web.json_response({"input_tokens": len(encoded.tokens)})

@@ -1,0 +1,194 @@
+"""Anthropic's Messages API shapes (https://docs.anthropic.com/en/api/messages), to and from prefixd's.
+
+Pure data, no I/O (``anthropic_api`` runs it). Every request field is
+honoured, accepted where it cannot change the answer (named in
+``prefixd_notes``), or refused with a 400 naming it; tools wait for
+prefixd's tool calls. ``usage`` splits the prompt as Anthropic does:
+``input_tokens`` were computed for this request, ``cache_read_input_tokens``
+came from the prefix store (prefixd caches every prefix by itself, so it
+never reports ``cache_creation_input_tokens``); the full cache map rides
+along as ``prefixd_cache``.
+
+Stop sequences are matched here, in the front, not by the engine: Anthropic's
+reply names the sequence that ended it, which the engine's reply does not say.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...protocol import methods as m
+from ..engine.stop_strings import StopStringMatcher
+from .http_errors import invalid, reject_unknown
+from .sampling_fields import check_sampling_extras
+
+MESSAGE_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+                  "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control")
+COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control")
+TEXT_BLOCK_FIELDS = ("type", "text", "cache_control", "citations")
+CACHE_CONTROL_NOTE = "cache_control: prefixd caches every prompt prefix on its own; breakpoints are not needed"
+_STOP_REASONS = {m.FINISH_STOP: "end_turn", m.FINISH_LENGTH: "max_tokens"}
+
+
+@dataclass
+class MessagesRequest:
+    params: m.GenerateParams
+    model: str
+    stop_sequences: tuple[str, ...]
+    notes: list[str] = field(default_factory=list)
+
+
+def messages_request(body: dict[str, Any], default_model: str) -> MessagesRequest:
+    reject_unknown(body, MESSAGE_FIELDS)
+    notes: list[str] = []
+    messages = prompt_messages(body, notes)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        raise invalid("'max_tokens' is required", "max_tokens")
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > m.MAX_STOP_STRINGS:
+        raise invalid(f"'stop_sequences' must be an array of at most {m.MAX_STOP_STRINGS} non-empty strings", "stop_sequences")
+    if body.get("metadata") is not None:
+        if not isinstance(body["metadata"], dict):
+            raise invalid("'metadata' must be an object", "metadata")
+        reject_unknown(body["metadata"], ("user_id",), "metadata")
+        notes.append("metadata.user_id: recorded nowhere, no effect on the answer")
+    # The engine always streams to the front here: the front matches the stop sequences itself.
+    generate: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+    for name in ("model", "temperature", "top_p"):
+        if body.get(name) is not None:
+            generate[name] = body[name]
+    notes += check_sampling_extras({"top_k": body.get("top_k")}, float(body.get("temperature") or 0.0))
+    params = m.parse_generate(generate)
+    return MessagesRequest(params, params.model or default_model, tuple(stops), notes)
+
+
+def prompt_messages(body: dict[str, Any], notes: list[str]) -> list[dict[str, str]]:
+    """The chat as prefixd's {role, content} messages: the system prompt first, then the turns."""
+    _refuse_tools(body)
+    if body.get("cache_control") is not None:  # the request-wide breakpoint of automatic caching
+        notes.append(CACHE_CONTROL_NOTE)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'messages' must be a non-empty array of {role, content} objects", "messages")
+    messages = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": _text_of(body["system"], "system", notes)})
+    for index, message in enumerate(raw):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object with 'role' and 'content'", "messages")
+        reject_unknown(message, ("role", "content"), where)
+        if message.get("role") not in ("user", "assistant"):
+            raise invalid(f"'{where}.role' must be \"user\" or \"assistant\"", f"{where}.role")
+        messages.append({"role": message["role"], "content": _text_of(message.get("content"), f"{where}.content", notes)})
+    if messages[-1]["role"] == "assistant":
+        raise invalid("a last assistant message (prefilling the answer) is not supported yet; end with a user message",
+                      f"messages[{len(raw) - 1}]")
+    return messages
+
+
+def _refuse_tools(body: dict[str, Any]) -> None:
+    for name in ("tools", "tool_choice"):
+        if body.get(name):
+            raise invalid(f"'{name}' is not supported yet: prefixd has no tool calls on the Anthropic API", name)
+    thinking = body.get("thinking")
+    if thinking is not None and thinking != {"type": "disabled"}:
+        raise invalid("'thinking' is not supported (only {\"type\": \"disabled\"})", "thinking")
+
+
+def _text_of(content: Any, where: str, notes: list[str]) -> str:
+    """A string, or text blocks joined; any other block is refused, naming it."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"'{where}' must be a string or an array of content blocks", where)
+    texts = []
+    for index, block in enumerate(content):
+        place = f"{where}[{index}]"
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise invalid(f"'{place}.type': only text blocks are supported, not {kind!r}", f"{place}.type")
+        reject_unknown(block, TEXT_BLOCK_FIELDS, place)
+        if block.get("citations"):
+            raise invalid(f"'{place}.citations' is not supported", f"{place}.citations")
+        if block.get("cache_control") is not None and CACHE_CONTROL_NOTE not in notes:
+            notes.append(CACHE_CONTROL_NOTE)
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+# -- stop sequences, matched on the streamed text ---------------------------------------
+
+
+class StopSequences:
+    """The answer up to the first stop sequence, and which one it was."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.matcher = StopStringMatcher(stops)
+        self.stops = stops
+        self._seen = ""  # all text fed, to tell which sequence matched
+        self.matched: str | None = None
+
+    def feed(self, piece: str) -> str:
+        if self.matched is not None:
+            return ""
+        self._seen += piece
+        out = self.matcher.feed(piece)
+        if self.matcher.stopped:
+            found = [(self._seen.find(s), -len(s), s) for s in self.stops if s in self._seen]
+            self.matched = min(found)[2]
+        return out
+
+    def flush(self) -> str:
+        return self.matcher.flush()
+
+
+# -- replies --------------------------------------------------------------------------
+
+
+class MessagesReply:
+    def __init__(self, model: str, notes: list[str]):
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.model = model
+        self.notes = notes
+
+    def stop_reason(self, result: dict[str, Any], matched: str | None) -> str:
+        return "stop_sequence" if matched is not None else _STOP_REASONS.get(result["finish_reason"], "end_turn")
+
+    @staticmethod
+    def usage(result: dict[str, Any]) -> dict[str, Any]:
+        cache = result["cache"]
+        return {"input_tokens": cache["prefilled_tokens"], "output_tokens": result["usage"]["completion_tokens"],
+                "cache_read_input_tokens": cache["reused_tokens"], "cache_creation_input_tokens": 0}
+
+    def _extras(self, result: dict[str, Any]) -> dict[str, Any]:
+        extras = {"prefixd_cache": result["cache"], "prefixd_timings": result["timings"]}
+        return {**extras, "prefixd_notes": self.notes} if self.notes else extras
+
+    def message(self, result: dict[str, Any], text: str, matched: str | None) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": self.stop_reason(result, matched), "stop_sequence": matched,
+                "usage": self.usage(result), **self._extras(result)}
+
+    # streamed: message_start, content_block_start, content_block_delta..., content_block_stop, message_delta, message_stop
+
+    def start_events(self, prompt_tokens: int) -> list[dict[str, Any]]:
+        # The split into computed and cached tokens is known only at the end (message_delta's usage):
+        # message_start counts the whole prompt as input.
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+        return [{"type": "message_start", "message": message},
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
+
+    @staticmethod
+    def text_delta(text: str) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+
+    def end_events(self, result: dict[str, Any], matched: str | None) -> list[dict[str, Any]]:
+        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(result, matched), "stop_sequence": matched},
+                 "usage": self.usage(result), **self._extras(result)}
+        return [{"type": "content_block_stop", "index": 0}, delta, {"type": "message_stop"}]

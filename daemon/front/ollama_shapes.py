@@ -1,0 +1,282 @@
+"""Ollama's request and response shapes (https://github.com/ollama/ollama/blob/main/docs/api.md), to and from prefixd's.
+
+Pure data, no I/O: ``ollama_api`` feeds bodies in and writes what comes out.
+Every field of a request is either honoured, accepted where it cannot change
+the answer (and named in ``prefixd_notes``), or refused with a 400 naming it.
+Replies carry Ollama's counters in the final chunk (prompt_eval_count,
+eval_count, durations in nanoseconds) and prefixd's ``cache`` map beside them
+as ``prefixd_cache``.
+
+Defaults differ from Ollama's: an omitted temperature is greedy (prefixd's
+default), not 0.8, and a model's answer length defaults to 256 tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from ...protocol import methods as m
+from ...protocol.errors import RpcError
+from .http_errors import invalid, reject_unknown
+from .sampling_fields import check_sampling_extras
+
+CHAT_FIELDS = ("model", "messages", "tools", "format", "options", "stream", "keep_alive", "think")
+GENERATE_FIELDS = ("model", "prompt", "suffix", "images", "format", "options", "system", "template", "stream", "raw",
+                   "keep_alive", "context", "think")
+MESSAGE_FIELDS = ("role", "content", "images", "tool_calls", "thinking", "tool_name")
+# Options that tune where and how fast a model runs, never which tokens come out.
+RUNTIME_OPTIONS = ("num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "numa", "low_vram", "num_batch",
+                   "f16_kv", "vocab_only", "logits_all", "embedding_only")
+# Options about truncating a prompt that does not fit: prefixd never truncates (a prompt that does not fit is a 413).
+CONTEXT_OPTIONS = ("num_ctx", "num_keep")
+KEEP_ALIVE_NOTE = "keep_alive: prefixd keeps every model loaded for the daemon's life; unloading is not implemented"
+_DURATION = re.compile(r"^-?(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
+_DONE_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length"}
+
+
+@dataclass
+class OllamaRequest:
+    """A parsed /api/chat or /api/generate body: the job's params (None: a bare load request) and the notes to report."""
+
+    params: m.GenerateParams | None
+    model: str
+    stream: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+def chat_request(body: dict[str, Any], default_model: str) -> OllamaRequest:
+    reject_unknown(body, CHAT_FIELDS)
+    _refuse_features(body, ("tools", "format", "think"))
+    messages = body.get("messages")
+    if messages is None or messages == []:
+        return _load_only(body, default_model)  # Ollama's way to load a model: a chat with no messages
+    if not isinstance(messages, list):
+        raise invalid("'messages' must be an array of {role, content} objects", "messages")
+    parsed = [_chat_message(i, message) for i, message in enumerate(messages)]
+    return _with_options(body, default_model, {"messages": parsed})
+
+
+def generate_request(body: dict[str, Any], default_model: str,
+                     fim_prompt: Callable[[str, str], tuple[str, tuple[str, ...]]] | None = None) -> OllamaRequest:
+    """``fim_prompt(prefix, suffix) -> (prompt text, stop strings)``: the model's FIM format, when ``suffix`` is given."""
+    reject_unknown(body, GENERATE_FIELDS)
+    _refuse_features(body, ("images", "format", "think", "template", "context"))
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise invalid("'prompt' must be a string", "prompt")
+    suffix, system, raw = body.get("suffix"), body.get("system"), body.get("raw")
+    for name, value, kind in (("suffix", suffix, str), ("system", system, str), ("raw", raw, bool)):
+        if value is not None and not isinstance(value, kind):
+            raise invalid(f"'{name}' must be a {'string' if kind is str else 'boolean'}", name)
+    if not prompt and not suffix:
+        return _load_only(body, default_model)  # Ollama's way to load a model: a generate with no prompt
+    if suffix:
+        if system:
+            raise invalid("'system' cannot go with 'suffix': a fill-in-the-middle prompt has no system part", "system")
+        assert fim_prompt is not None, "the caller resolves the model's FIM format when a suffix is given"
+        text, stops = fim_prompt(prompt or "", suffix)
+        return _with_options(body, default_model, {"prompt": text}, extra_stops=stops)
+    if raw:
+        if system:
+            raise invalid("'system' cannot go with 'raw': a raw prompt is sent as it is", "system")
+        return _with_options(body, default_model, {"prompt": prompt})
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return _with_options(body, default_model, {"messages": messages})
+
+
+def _refuse_features(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Fields whose features prefixd does not have yet; their empty values ("", [], false) mean "off" and pass."""
+    reasons = {"tools": "tool calls are not implemented yet", "format": "structured output is not implemented yet",
+               "think": "thinking mode is not supported", "images": "images are not supported (text models only)",
+               "template": "a custom prompt template is not supported; prefixd uses the model's chat template (or raw=true)",
+               "context": "the deprecated 'context' token list is not supported; send the conversation to /api/chat "
+                          "(prefixd's prefix cache makes resending it cheap)"}
+    for name in names:
+        if body.get(name) not in (None, "", [], False):
+            raise invalid(f"'{name}' is not supported: {reasons[name]}", name)
+
+
+def _chat_message(index: int, message: Any) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise invalid(f"messages[{index}] must be an object with 'role' and 'content'", "messages")
+    reject_unknown(message, MESSAGE_FIELDS, f"messages[{index}]")
+    for name in ("images", "tool_calls", "thinking", "tool_name"):
+        if message.get(name) not in (None, "", []):
+            raise invalid(f"'messages[{index}].{name}' is not supported yet", f"messages[{index}].{name}")
+    role, content = message.get("role"), message.get("content", "")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise invalid(f"messages[{index}] needs a string 'role' and a string 'content'", "messages")
+    return {"role": role, "content": content}
+
+
+def _load_only(body: dict[str, Any], default_model: str) -> OllamaRequest:
+    notes = [_keep_alive_note(body.get("keep_alive"))] if "keep_alive" in body else []
+    return OllamaRequest(None, body.get("model") or default_model, bool(body.get("stream", True)), notes)
+
+
+def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, Any],
+                  extra_stops: tuple[str, ...] = ()) -> OllamaRequest:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise invalid("'options' must be an object", "options")
+    stream = body.get("stream", True)  # Ollama streams unless told not to
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be a boolean", "stream")
+    generate: dict[str, Any] = {**prompt, "stream": True}  # always streamed to the front; the reply streams if asked
+    notes: list[str] = []
+    for name in ("temperature", "top_p", "seed"):
+        if options.get(name) is not None:
+            generate[name] = options[name]
+    stops = options.get("stop")
+    stops = [stops] if isinstance(stops, str) else list(stops or [])
+    if stops or extra_stops:
+        generate["stop"] = [*stops, *[s for s in extra_stops if s not in stops]]
+    if options.get("num_predict") is not None:
+        generate["max_tokens"] = _num_predict(options["num_predict"])
+    if body.get("model"):
+        generate["model"] = body["model"]
+    if "keep_alive" in body:
+        notes.append(_keep_alive_note(body["keep_alive"]))
+    extras = {k: v for k, v in options.items() if k not in ("temperature", "top_p", "seed", "stop", "num_predict")}
+    for name in RUNTIME_OPTIONS + CONTEXT_OPTIONS:
+        if extras.pop(name, None) is not None:
+            notes.append(f"options.{name}: no effect in prefixd" if name in RUNTIME_OPTIONS else
+                         f"options.{name}: prefixd uses the model's whole context and never truncates a prompt")
+    notes += check_sampling_extras(extras, float(generate.get("temperature") or 0.0), "options.")
+    params = _parse(generate, "options.")
+    return OllamaRequest(params, params.model or default_model, stream, notes)
+
+
+def _parse(generate: dict[str, Any], where: str) -> m.GenerateParams:
+    try:
+        return m.parse_generate(generate)
+    except RpcError as err:  # parse_generate names the field first ("'max_tokens' must be ..."): name it as sent
+        message = err.message.replace("'max_tokens'", "'num_predict'", 1)
+        name = message.split("'")[1] if message.startswith("'") else None
+        if name in ("temperature", "top_p", "seed", "stop", "num_predict"):
+            raise invalid(message.replace(f"'{name}'", f"'{where}{name}'", 1), where + name) from None
+        raise
+
+
+def _num_predict(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid("'options.num_predict' must be an integer", "options.num_predict")
+    if value in (-1, -2):  # until the end: "infinite" or "fill the context"; the engine stops at the context's end
+        return m.MAX_TOKENS_LIMIT
+    if value <= 0:
+        raise invalid("'options.num_predict' must be positive, or -1 (until the model stops or the context is full)",
+                      "options.num_predict")
+    return value
+
+
+def _keep_alive_note(value: Any) -> str:
+    """keep_alive is accepted unless it asks for what prefixd cannot do (unload now); the note says what it does."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (_DURATION.match(value) or re.fullmatch(r"-?\d+(\.\d+)?", value)):
+        seconds = 0.0 if not re.search("[1-9]", value) else 1.0  # only its sign and zero-ness matter here
+    else:
+        raise invalid("'keep_alive' must be a duration (\"5m\", \"1h\", \"-1\") or a number of seconds", "keep_alive")
+    if seconds == 0:
+        raise invalid("'keep_alive' 0 asks to unload the model, which prefixd does not implement: its models stay loaded "
+                      "for the daemon's life", "keep_alive")
+    return KEEP_ALIVE_NOTE
+
+
+# -- replies ----------------------------------------------------------------------------
+
+
+class OllamaReply:
+    """The chunks of one /api/chat (``chat``) or /api/generate reply."""
+
+    def __init__(self, chat: bool, model: str, notes: list[str]):
+        self.chat = chat
+        self.model = model
+        self.notes = notes
+
+    def _text(self, text: str) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+
+    def chunk(self, text: str) -> dict[str, Any]:
+        return {"model": self.model, "created_at": now_rfc3339(), **self._text(text), "done": False}
+
+    def final(self, result: dict[str, Any], text: str = "") -> dict[str, Any]:
+        """The last chunk (``text``: what it carries, the whole answer when not streamed): counters, cache map, notes."""
+        timings, usage = result["timings"], result["usage"]
+        reply = {
+            "model": self.model, "created_at": now_rfc3339(), **self._text(text), "done": True,
+            "done_reason": _DONE_REASONS.get(result["finish_reason"], "stop"),
+            "total_duration": _ns(timings["total_ms"]),
+            "load_duration": 0,  # every model is loaded when the daemon starts
+            "prompt_eval_count": usage["prompt_tokens"],
+            "prompt_eval_duration": _ns(timings["prefill_ms"]),
+            "eval_count": usage["completion_tokens"],
+            "eval_duration": _ns(timings["decode_ms"]),
+            "prefixd_cache": result["cache"],
+            "prefixd_timings": timings,
+        }
+        if self.notes:
+            reply["prefixd_notes"] = self.notes
+        return reply
+
+    def loaded(self) -> dict[str, Any]:
+        """The answer to a load request (no prompt, no messages): the model is loaded already."""
+        reply = {"model": self.model, "created_at": now_rfc3339(), **self._text(""), "done": True, "done_reason": "load"}
+        if self.notes:
+            reply["prefixd_notes"] = self.notes
+        return reply
+
+
+def _ns(milliseconds: float) -> int:
+    return int(round(milliseconds * 1_000_000))
+
+
+# -- model listings -----------------------------------------------------------------------
+
+
+def model_entry(model: dict[str, Any], weight_bytes: int, started_at: float) -> dict[str, Any]:
+    """One model as /api/tags lists it, from the engine's describe_models and stats."""
+    return {
+        "name": model["name"], "model": model["name"],
+        "modified_at": datetime.fromtimestamp(started_at, timezone.utc).isoformat().replace("+00:00", "Z"),
+        "size": weight_bytes,
+        "digest": model["fingerprint"],
+        "details": _details(model),
+    }
+
+
+def running_entry(model: dict[str, Any], weight_bytes: int) -> dict[str, Any]:
+    """One model as /api/ps lists it: loaded until the daemon stops, so no expiry time is real; Ollama's "never" is far off."""
+    return {
+        "name": model["name"], "model": model["name"], "size": weight_bytes, "digest": model["fingerprint"],
+        "details": _details(model), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
+        "context_length": model["context_length"],
+        "prefixd_note": KEEP_ALIVE_NOTE,
+    }
+
+
+def show_entry(model: dict[str, Any], template: str | None, fim: bool) -> dict[str, Any]:
+    capabilities = ["completion"] + (["insert"] if fim else [])
+    return {
+        "modelfile": "", "parameters": "", "template": template or "",
+        "details": _details(model),
+        "model_info": {"general.architecture": model.get("architecture") or "", "general.basename": model["name"],
+                       f"{model.get('architecture') or 'prefixd'}.context_length": model["context_length"]},
+        "capabilities": capabilities,
+        "modified_at": now_rfc3339(),
+    }
+
+
+def _details(model: dict[str, Any]) -> dict[str, Any]:
+    return {"parent_model": "", "format": "mlx", "family": model.get("architecture") or "", "families": None,
+            "parameter_size": "", "quantization_level": model.get("dtype") or ""}
