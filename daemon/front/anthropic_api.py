@@ -11,11 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-from ...protocol.errors import RpcError
 from ...protocol.methods import PromptInput
 from .anthropic_shapes import COUNT_FIELDS, MessagesReply, StopSequences, messages_request, prompt_messages
 from .http_errors import anthropic_body, from_rpc, invalid, reject_unknown
-from .http_jobs import LazyStream, RunningJob, compact_json, handlers_of, json_object
+from .http_jobs import LazyStream, RunningJob, compact_json, handlers_of, json_object, result_in_stream
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
@@ -58,13 +57,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 await start(job.prompt_tokens() or 0)  # encoded before any chunk, so known here
             if text:
                 await stream.send(reply.text_delta(text))
-        try:
-            result = await job.result()
-        except RpcError as err:
-            if not stream.started:
-                raise
-            await stream.send(anthropic_body(from_rpc(err)))  # an "error" event: the client raises on it
-            return await stream.finish()
+        # An "error" event: the anthropic client raises on it.
+        if (result := await result_in_stream(job, stream, lambda err: anthropic_body(from_rpc(err)))) is None:
+            return stream.response
         if not stream.started:
             await start(result["usage"]["prompt_tokens"])
         if tail := stops.flush():

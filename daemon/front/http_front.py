@@ -39,7 +39,7 @@ from ..models.names import model_not_found
 from . import anthropic_api, http_errors, infill_api, metrics, ollama_api
 from . import openai_shapes as shapes
 from .handlers import Handlers
-from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, sse_data
+from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
 from .http_options import is_loopback
 from .listener import SocketFile, bind_unix_socket
 from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
@@ -318,13 +318,9 @@ async def _stream(request: web.Request, reply: shapes.Reply, job: RunningJob, in
         if not stream.started:
             await stream.send(reply.chunk(first=True))
         await stream.send(reply.chunk(chunk["text"]))
-    try:
-        result = await job.result()
-    except RpcError as err:
-        if not stream.started:
-            raise
-        await stream.send(shapes.error_body(err)[1])  # the openai client raises APIError on this
-        return await stream.finish()
+    # The openai client raises APIError on an error chunk.
+    if (result := await result_in_stream(job, stream, lambda err: shapes.error_body(err)[1])) is None:
+        return stream.response
     if not stream.started:
         await stream.send(reply.chunk(first=True))
     await stream.send(reply.closing_chunk(result))

@@ -122,6 +122,22 @@ class LazyStream:
         return self.response
 
 
+async def result_in_stream(job: RunningJob, stream: LazyStream,
+                           error_event: Callable[[RpcError], dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's result; or, when it failed after the stream started, None once the error went out as its last event.
+
+    A failure before the stream started is raised, so it gets its own HTTP status.
+    """
+    try:
+        return await job.result()
+    except RpcError as err:
+        if not stream.started:
+            raise
+        await stream.send(error_event(err))
+        await stream.finish()
+        return None
+
+
 def compact_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 

@@ -11,11 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-from ...protocol.errors import RpcError
 from ..models.loaded_model import ModelCard
 from .fim_formats import FimFormat, detect_fim_format
 from .http_errors import invalid
-from .http_jobs import LazyStream, RunningJob, handlers_of, json_object, sse_data
+from .http_jobs import LazyStream, RunningJob, handlers_of, json_object, result_in_stream, sse_data
 from .infill_shapes import AnswerCut, InfillRequest, infill_reply, infill_request
 
 _formats: dict[str, FimFormat | None] = {}  # by model fingerprint: a model's tokens never change
@@ -89,12 +88,7 @@ async def _stream(request: web.Request, job: RunningJob, cut: AnswerCut, parsed:
             await stream.send({"content": text, "stop": False})
         if cut.cut:
             job.stop_early()
-    try:
-        result = await job.result()
-    except RpcError as err:
-        if not stream.started:
-            raise
-        await stream.send({"error": {"message": err.message, "prefixd_code": err.code}})
-        return await stream.finish()
+    if (result := await result_in_stream(job, stream, lambda err: {"error": {"message": err.message, "prefixd_code": err.code}})) is None:
+        return stream.response
     await stream.send(infill_reply(result, "", cut.cut, parsed))
     return await stream.finish()

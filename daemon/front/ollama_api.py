@@ -11,10 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ...protocol.errors import RpcError
 from .handlers import DAEMON_VERSION
 from .http_errors import from_rpc, invalid, ollama_body, reject_unknown
-from .http_jobs import LazyStream, RunningJob, handlers_of, json_object, ndjson_line
+from .http_jobs import LazyStream, RunningJob, handlers_of, json_object, ndjson_line, result_in_stream
 from .infill_api import fim_format_of, require_fim_format
 from .ollama_shapes import OllamaReply, OllamaRequest, chat_request, generate_request, model_entry, running_entry, show_entry
 
@@ -55,13 +54,9 @@ async def _answer(request: web.Request, parsed: OllamaRequest, chat: bool) -> we
         stream = LazyStream(request, "application/x-ndjson", ndjson_line)
         async for chunk in job.chunks():
             await stream.send(reply.chunk(chunk["text"]))
-        try:
-            result = await job.result()
-        except RpcError as err:
-            if not stream.started:
-                raise
-            await stream.send(ollama_body(from_rpc(err)))  # the ollama client raises ResponseError on this
-            return await stream.finish()
+        # The ollama client raises ResponseError on an error line.
+        if (result := await result_in_stream(job, stream, lambda err: ollama_body(from_rpc(err)))) is None:
+            return stream.response
         await stream.send(reply.final(result))
         return await stream.finish()
 

@@ -7,9 +7,12 @@ alike); replies carry prefixd's ``cache`` map as ``prefixd_cache`` and its
 ``reused_tokens`` as ``usage.prompt_tokens_details.cached_tokens``.
 
 Fields prefixd cannot honour change the answer, so they are refused (n > 1,
-logprobs, suffix); fields that only tune what OpenAI's servers do (user,
-penalties, tools, response_format, ...) are ignored, as most local servers
-do. Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
+logprobs). On /v1/chat/completions, fields that only tune what OpenAI's
+servers do (user, penalties, tools, response_format, ...) are still ignored,
+until tool calls and structured output land; /v1/completions refuses every
+field it does not honour, naming it (``user`` is accepted: it only labels
+the caller). ``suffix`` reaches it as a FIM prompt built by ``infill_api``.
+Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
 """
 
 from __future__ import annotations
@@ -83,12 +86,30 @@ def _chat_message(index: int, message: Any) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
+# /v1/completions: every field OpenAI defines (and prefixd's own session and cache); any other is a 400 naming it.
+COMPLETION_FIELDS = ("model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+                     "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "user",
+                     "seed", "session", "cache")
+
+
 def completion_request(body: Any) -> m.GenerateParams:
-    """A /v1/completions body as GenerateParams (prompt: text, [text] or [token ids])."""
+    """A /v1/completions body as GenerateParams (prompt: text, [text] or [token ids]).
+
+    ``suffix`` must have been turned into a FIM prompt by the front first
+    (infill_api.completion_with_suffix): only the front knows the model's FIM tokens.
+    """
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
+    http_errors.reject_unknown(body, COMPLETION_FIELDS)
     if body.get("suffix"):
-        raise _invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
+        raise _invalid("'suffix' (fill-in-the-middle) must go through the front's FIM prompt", "suffix")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise _invalid(f"'{name}' is not supported except at 0", name)
+    if body.get("best_of") not in (None, 1):
+        raise _invalid("only best_of=1 is supported", "best_of")
+    if body.get("logit_bias"):
+        raise _invalid("'logit_bias' is not supported", "logit_bias")
     if body.get("echo"):
         raise _invalid("'echo' is not supported", "echo")
     prompt = body.get("prompt")
