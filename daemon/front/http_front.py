@@ -1,7 +1,9 @@
-"""The opt-in OpenAI-compatible HTTP front (aiohttp, in the daemon's event loop).
+"""The opt-in HTTP front (aiohttp, in the daemon's event loop): OpenAI's API here, the others beside.
 
 ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions``,
-streamed as server-sent events or not. It never touches MLX: every request
+streamed as server-sent events or not; Ollama's (``ollama_api``), Anthropic's
+(``anthropic_api``), llama.cpp's /infill (``infill_api``) and /metrics
+(``metrics``) add their routes to the same app. It never touches MLX: every request
 becomes a GenerateJob run through ``Handlers.run_job``, like a socket request,
 so both fronts share one engine and one prefix store. A client that goes
 away cancels its job (aiohttp cancels the handler; the job sees the flag).
