@@ -52,3 +52,20 @@ def make_cache_layout(model: Any) -> CacheLayout:
         else:
             other.append(index)
     return CacheLayout(tuple(attention), tuple(state), tuple(other))
+
+
+def unbatchable_cache_types(caches: list[Any]) -> list[str]:
+    """Names of the cache classes among ``caches`` that mlx-lm's batch cannot merge (sorted, unique).
+
+    BatchGenerator merges each layer's caches with the class's ``merge``; a
+    class without one (quantized, chunked, concatenating caches) fails there,
+    which would otherwise show only once two requests decode together.
+    A CacheList merges when every cache it holds does.
+    """
+    names = set()
+    for layer_cache in caches:
+        if hasattr(layer_cache, "caches") and callable(getattr(type(layer_cache), "merge", None)):
+            names.update(unbatchable_cache_types(list(layer_cache.caches)))
+        elif not callable(getattr(type(layer_cache), "merge", None)):
+            names.add(type(layer_cache).__name__)
+    return sorted(names)

@@ -19,7 +19,7 @@ import mlx_lm
 from mlx_lm.utils import load as mlx_lm_load
 
 from ...protocol.methods import PromptInput
-from ..kv.layout import CacheLayout, make_cache_layout
+from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
 from .prompt_encoding import EncodedPrompt, PromptEncoder
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 20
@@ -93,6 +93,7 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> Loade
     weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
     first_param = next(v for _, v in _flatten(model.parameters()))
     layout = make_cache_layout(model)
+    refuse_unbatchable(model, path)
     kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
@@ -110,6 +111,21 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> Loade
         weight_bytes=weight_bytes,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
     )
+
+
+class UnsupportedModelError(ValueError):
+    """The model loads in mlx-lm but the engine cannot serve it; refused at load, never per request."""
+
+
+def refuse_unbatchable(model: Any, path: Path) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    names = unbatchable_cache_types(make_prompt_cache(model))
+    if names:
+        raise UnsupportedModelError(
+            f"{path.name}: its cache layers ({', '.join(names)}) cannot be batched by mlx-lm (no merge), so "
+            "two requests could not decode together; prefixd refuses the model at load rather than fail "
+            "its requests")
 
 
 def resolve_model_path(spec: str) -> Path:
