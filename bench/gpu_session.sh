@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of one session, in one device call (see ../shared/gpu/README.md for the set-up):
 #   source .gpu/b/install.sh && bash bench/gpu_session.sh STEP...    (KIT: where install.sh and floor.py are, default .gpu/b)
-# Steps: floor, batch, probe, quick, full, mask-array, chunk512, concurrency, lfm2-quick, lfm2-full.
+# Steps: floor, batch, probe, quick, full, chunk512, concurrency, lfm2-quick, lfm2-full.
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -30,7 +30,6 @@ for s in "$@"; do
     probe) step probe python3 bench/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
     quick) step quick python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick" ;;
     full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
-    mask-array) PREFIXD_PREFILL_MASK=array step mask-array python3 bench/compare.py --quick --model /tmp/q06 --out "$out/mask-array" ;;
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;
     concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick ;;
     lfm2-quick) step lfm2-quick python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick" ;;

@@ -7,11 +7,10 @@ Engine thread only: every function here makes MLX calls.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .layout import CacheLayout
 from .segments import KVSegment, StateSnapshot
@@ -47,23 +46,6 @@ def capture_snapshot(cache: list[Any], layout: CacheLayout) -> StateSnapshot | N
     return StateSnapshot(states)
 
 
-class ExplicitMaskKVCache(KVCache):
-    """A KVCache whose multi-token passes get an explicit causal mask (an array) instead of "causal".
-
-    "causal" sends a multi-token pass to MLX's fused attention, which on a GPU
-    costs 50-90 ms extra the first time it meets a (tail, cache) length pair
-    (bench/shape_probe.py); an array mask takes another kernel path. Which is
-    quicker is measured per device (PREFIXD_PREFILL_MASK=array|causal).
-    """
-
-    def make_mask(self, *args, **kwargs):
-        return super().make_mask(*args, **{**kwargs, "return_array": True})
-
-
-def _explicit_masks() -> bool:
-    return os.environ.get("PREFIXD_PREFILL_MASK", "causal") == "array"
-
-
 def fork_cache(
     model: Any,
     layout: CacheLayout,
@@ -78,8 +60,6 @@ def fork_cache(
     therefore never changes a stored entry (tests pin this).
     """
     cache = make_prompt_cache(model)
-    if _explicit_masks():
-        cache = [_with_explicit_mask(c) for c in cache]
     if length == 0:
         return cache
     assert sum(s.num_tokens for s in segments) == length, "segments must cover the prefix exactly"
@@ -98,11 +78,3 @@ def fork_cache(
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
     return cache
-
-
-def _with_explicit_mask(layer_cache: Any) -> Any:
-    if type(layer_cache) is not KVCache:
-        return layer_cache
-    replacement = ExplicitMaskKVCache()
-    replacement.keys, replacement.values, replacement.offset = layer_cache.keys, layer_cache.values, layer_cache.offset
-    return replacement
