@@ -105,6 +105,9 @@ class BatchDecoder:
         # Events of a solo sequence's last token, taken when it moved into the batch;
         # handed out first by the next step, so every sequence's tokens stay in order.
         self._carried: list[StepEvent] = []
+        # Rows that have had a token from the generator: only those are in its generation
+        # stage, where an extracted cache holds every token handed out (see _leave_batch_alone).
+        self._generating: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._by_uid) + (self._solo is not None)
@@ -170,8 +173,10 @@ class BatchDecoder:
             if seq is None:
                 continue
             finished = response.finish_reason is not None
+            self._generating.add(response.uid)
             if finished:
                 del self._by_uid[response.uid]
+                self._generating.discard(response.uid)
             events.append(StepEvent(seq, int(response.token), finished, response.prompt_cache))
         return events
 
@@ -189,10 +194,12 @@ class BatchDecoder:
         ((uid, seq),) = self._by_uid.items()
         remaining = seq.params.max_tokens - len(seq.generated)
         layout = seq.loaded.layout
-        if remaining < MIN_SOLO_TOKENS_LEFT or not seq.generated or layout.is_hybrid or not layout.is_supported:
-            return
+        if (remaining < MIN_SOLO_TOKENS_LEFT or uid not in self._generating or layout.is_hybrid
+                or not layout.is_supported):
+            return  # a row not yet generating still has its input tokens unfed: its cache is not the answer's
         entry = self._generator.remove([uid], return_prompt_caches=True).get(uid)
         del self._by_uid[uid]
+        self._generating.discard(uid)
         cache = entry[0]
         for layer in cache:
             layer.trim(1)
@@ -212,6 +219,7 @@ class BatchDecoder:
         if seq.uid not in self._by_uid or self._by_uid[seq.uid] is not seq:
             return None
         del self._by_uid[seq.uid]
+        self._generating.discard(seq.uid)
         caches = self._generator.remove([seq.uid], return_prompt_caches=True)
         entry = caches.get(seq.uid)
         return entry[0] if entry else None
