@@ -130,6 +130,9 @@ class BatchDecoder:
         self._insert(seq, inputs, max_tokens)
 
     def _insert(self, seq: SequenceState, inputs: list[int], max_tokens: int) -> None:
+        # The generator would take a missing cache for an empty one and answer from no context at all.
+        if seq.cache is None:
+            raise RuntimeError(f"sequence {seq.job.request_id} joins the batch without its cache")
         (uid,) = self._generator.insert(
             [inputs],
             max_tokens=[max_tokens],
