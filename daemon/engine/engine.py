@@ -102,9 +102,12 @@ class Engine:
 
     # -- requests (front side) ----------------------------------------------------
 
-    def submit(self, job: GenerateJob) -> None:
-        """Queue a job; raises OVERLOADED, SHUTTING_DOWN or ENGINE_DEAD at once when it cannot be."""
-        self.inbox.put_job(job)
+    def submit(self, job: GenerateJob, reserved: bool = False) -> None:
+        """Queue a job; raises OVERLOADED, SHUTTING_DOWN or ENGINE_DEAD at once when it cannot be.
+
+        ``reserved``: the job fills a place taken with ``inbox.reserve`` before it was encoded.
+        """
+        self.inbox.put_job(job, reserved)
 
     def cancel(self, job: GenerateJob) -> None:
         """Cancel a job: a queued one is answered CANCELLED at once and gives its place in line back."""

@@ -25,12 +25,46 @@ class Inbox:
         self._controls: deque[Callable[[], Any]] = deque()
         self._per_client: OrderedDict[str, deque[GenerateJob]] = OrderedDict()
         self._num_queued = 0
+        # Places taken by requests still being encoded on the front's worker threads:
+        # they count against the limits, so a burst cannot pass them while it encodes.
+        self._reserved: dict[str, int] = {}
+        self._num_reserved = 0
         self._closed_error: RpcError | None = None  # what a put_job gets once closed
         self._controls_error: RpcError | None = None  # what a put_control gets once the engine is gone
 
-    def put_job(self, job: GenerateJob) -> None:
-        """Queue a generate job, or raise OVERLOADED / SHUTTING_DOWN / ENGINE_DEAD at once."""
+    def reserve(self, client_id: str) -> None:
+        """Take a place in line for a request about to be encoded, or raise what put_job would raise.
+
+        The place is given back by ``put_job(job, reserved=True)`` or by ``release``.
+        """
         with self._lock:
+            self._check_room(client_id)
+            self._reserved[client_id] = self._reserved.get(client_id, 0) + 1
+            self._num_reserved += 1
+
+    def release(self, client_id: str) -> None:
+        """Give back a reserved place (the request failed or was cancelled before it was queued)."""
+        with self._lock:
+            self._unreserve(client_id)
+
+    def _unreserve(self, client_id: str) -> None:
+        count = self._reserved.get(client_id, 0)
+        if count <= 0:
+            return
+        self._num_reserved -= 1
+        if count == 1:
+            del self._reserved[client_id]
+        else:
+            self._reserved[client_id] = count - 1
+
+    def put_job(self, job: GenerateJob, reserved: bool = False) -> None:
+        """Queue a generate job, or raise OVERLOADED / SHUTTING_DOWN / ENGINE_DEAD at once.
+
+        ``reserved``: the job holds a place taken by ``reserve``, which it now fills.
+        """
+        with self._lock:
+            if reserved:
+                self._unreserve(job.client_id)
             self._check_room(job.client_id)
             queue = self._per_client.get(job.client_id)
             if queue is None:
@@ -43,24 +77,21 @@ class Inbox:
     def has_jobs(self) -> bool:
         return self._num_queued > 0  # a plain read: a stale answer costs one loop iteration
 
-    def check_room(self, client_id: str) -> None:
-        """Raise what put_job would raise for this client now (OVERLOADED, SHUTTING_DOWN, ENGINE_DEAD)."""
-        with self._lock:
-            self._check_room(client_id)
-
     def _check_room(self, client_id: str) -> None:
         if self._closed_error is not None:
             raise _fresh(self._closed_error)
         self._drop_cancelled(client_id)
         queue = self._per_client.get(client_id)
-        if self._num_queued >= self.max_queued:
+        if self._num_queued + self._num_reserved >= self.max_queued:
             self._drop_cancelled(None)
-        if self._num_queued >= self.max_queued:
-            raise RpcError(ErrorCode.OVERLOADED, f"{self._num_queued} requests already queued (limit {self.max_queued}); retry later")
-        if queue is not None and len(queue) >= self.max_queued_per_client:
+        in_line = self._num_queued + self._num_reserved
+        if in_line >= self.max_queued:
+            raise RpcError(ErrorCode.OVERLOADED, f"{in_line} requests already queued (limit {self.max_queued}); retry later")
+        mine = (len(queue) if queue is not None else 0) + self._reserved.get(client_id, 0)
+        if mine >= self.max_queued_per_client:
             raise RpcError(
                 ErrorCode.OVERLOADED,
-                f"this connection already has {len(queue)} requests queued (limit {self.max_queued_per_client})",
+                f"this connection already has {mine} requests queued (limit {self.max_queued_per_client})",
             )
 
     def drop_cancelled(self, client_id: str) -> None:

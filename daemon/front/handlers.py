@@ -163,8 +163,13 @@ class Handlers:
         if jobs is not None:
             jobs[msgid] = job  # cancellable from here on, encoding included
         try:
-            await self._prepare(job)
-            self.engine.submit(job)
+            self.engine.inbox.reserve(job.client_id)  # a place in line before encoding: a flood is refused first
+            try:
+                await self._prepare(job)
+            except BaseException:
+                self.engine.inbox.release(job.client_id)
+                raise
+            self.engine.submit(job, reserved=True)
         except BaseException as exc:
             if jobs is not None:
                 jobs.pop(msgid, None)
@@ -197,7 +202,6 @@ class Handlers:
 
     async def _prepare(self, job: GenerateJob) -> None:
         """Encode the prompt off the engine thread and bring in what the disk cache holds of it."""
-        self.engine.inbox.check_room(job.client_id)  # refuse a flood before encoding it
         card, job.encoded = await self.intake.encode(job.params.model, job.params.prompt,
                                                      generates=not job.warm_only)
         if self.prefetch is not None:
