@@ -63,7 +63,7 @@ class GenerateOptions(PromptOptions, total=False):
     seed: int
     stop: str | list[str]
     session: str
-    cache: bool | dict[str, bool]  # {use, store}; False means neither (a cold run)
+    cache: bool | dict[str, bool]  # {use, store, verify}; False means neither use nor store (a cold run)
 
 
 def prompt_params(prompt: str | None = None, **options: Unpack[PromptOptions]) -> dict[str, Any]:

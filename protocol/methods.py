@@ -69,10 +69,15 @@ def _get(params: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any
 
 @dataclass(frozen=True, slots=True)
 class CacheOptions:
-    """Per-request cache switches: ``cache: {use, store}``."""
+    """Per-request cache switches: ``cache: {use, store, verify}``.
+
+    ``verify``: once the answer is done, re-run the request without the
+    cache and put the comparison in the reply (``verify`` map); greedy only.
+    """
 
     use: bool = True
     store: bool = True
+    verify: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +141,12 @@ def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
 
 
 def parse_cache_options(params: dict[str, Any]) -> CacheOptions:
-    raw = _get(params, "cache", (dict,), {}, "a map {use: bool, store: bool}")
-    _check_keys(raw, {"use", "store"})
+    raw = _get(params, "cache", (dict,), {}, "a map {use: bool, store: bool, verify: bool}")
+    _check_keys(raw, {"use", "store", "verify"})
     return CacheOptions(
         use=_get(raw, "use", (bool,), True, "a boolean"),
         store=_get(raw, "store", (bool,), True, "a boolean"),
+        verify=_get(raw, "verify", (bool,), False, "a boolean"),
     )
 
 
@@ -168,6 +174,9 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
         raise _invalid("'stop' must be a string or an array of non-empty strings")
     if len(stop) > MAX_STOP_STRINGS:
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings")
+    cache = parse_cache_options(params)
+    if cache.verify and temperature > 0:
+        raise _invalid("'cache.verify' compares greedy runs: it needs temperature 0")
     return GenerateParams(
         prompt=parse_prompt_input(params),
         model=_get(params, "model", (str,), None, "a string"),
@@ -178,7 +187,7 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
         stop=tuple(stop),
         stream=_get(params, "stream", (bool,), False, "a boolean"),
         session=_get(params, "session", (str,), None, "a string"),
-        cache=parse_cache_options(params),
+        cache=cache,
     )
 
 
