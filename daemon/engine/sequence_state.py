@@ -58,6 +58,8 @@ class SequenceState:
     finish_reason: str | None = None
     kv_bytes_estimate: int = 0
     num_prefill_skips: int = 0  # prefill turns given to others in a row
+    shadow_wanted: bool = False  # the shadow check will compare this request (shadow_checker.py)
+    shadow_logits: Any = None  # its prompt's last logits, kept for that comparison
 
     def __post_init__(self) -> None:
         self.detokenizer = self.loaded.tokenizer.detokenizer
@@ -109,11 +111,15 @@ class SequenceState:
 
     # -- the reply -------------------------------------------------------------------
 
-    def finish(self, finish_reason: str) -> None:
+    def finish(self, finish_reason: str, send: bool = True) -> dict[str, Any]:
+        """The final reply; ``send=False`` holds it back for the caller to send (a verify request)."""
         self.phase = Phase.DONE
         self.finish_reason = FINISH_CANCELLED if self.is_cancelled and finish_reason != FINISH_CANCELLED else finish_reason
         self.finished_at = time.monotonic()
-        self.job.emit(DONE, self.result())
+        result = self.result()
+        if send:
+            self.job.emit(DONE, result)
+        return result
 
     def result(self) -> dict[str, Any]:
         now = self.finished_at or time.monotonic()
