@@ -4,7 +4,9 @@
 the engine reaches ``decode_step`` and every time it reaches ``loop``. Unset
 (the normal case), ``fault_point`` is one dictionary lookup. Points are named
 where they are placed: admit, start_prefill, prefill, first_token,
-decode_step, token, finish, store_answer, control, loop.
+decode_step, token, finish, store_answer, control, loop. One point corrupts
+instead of raising (``fault_fires``): corrupt_segment, a stored KV segment
+changed on its way into the store, so the shadow check has something to find.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ class FaultPoints:
             self._plan[point] = None if when == "*" else int(when or 1)
 
     def hit(self, point: str) -> None:
+        if self.fires(point):
+            raise InjectedFault(f"injected fault at {point} (hit {self._hits[point]})")
+
+    def fires(self, point: str) -> bool:
         if point not in self._plan:
-            return
+            return False
         self._hits[point] += 1
         when = self._plan[point]
-        if when is None or when == self._hits[point]:
-            raise InjectedFault(f"injected fault at {point} (hit {self._hits[point]})")
+        return when is None or when == self._hits[point]
 
 
 FAULTS = FaultPoints(os.environ.get(FAULTS_ENV, ""))
@@ -44,3 +49,8 @@ FAULTS = FaultPoints(os.environ.get(FAULTS_ENV, ""))
 def fault_point(point: str) -> None:
     """Raise here if the test running this daemon asked for a fault at ``point``."""
     FAULTS.hit(point)
+
+
+def fault_fires(point: str) -> bool:
+    """True here if the test running this daemon asked for a (non-raising) fault at ``point``."""
+    return FAULTS.fires(point)

@@ -22,6 +22,7 @@ from ..kv.fork import capture_segment, capture_snapshot, fork_cache
 from ..kv.segments import segments_source
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
+from .corrupt_fault import corrupted_if_asked
 from .faults import fault_point
 from .jobs import GenerateJob
 from .sequence_state import Phase, SequenceState
@@ -159,7 +160,7 @@ def store_progress(seq: SequenceState, store: PrefixStore | None, cache: list[An
     if not uses_store(store, seq) or not seq.params.cache.store or depth <= seq.stored_upto:
         seq.checkpoints.clear()
         return
-    segment = capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth)
+    segment = corrupted_if_asked(capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth))
     checkpoints = {d: c for d, c in seq.checkpoints.items() if 0 < d <= depth}
     result = store.insert(seq.loaded.fingerprint, tokens, seq.stored_upto, segment, checkpoints)
     seq.report.stored_tokens += result.stored_tokens
