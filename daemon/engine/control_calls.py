@@ -48,6 +48,7 @@ class ControlCalls:
             },
             "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1), "weight_bytes": m.weight_bytes}
                        for name, m in engine.models.items()},
+            "shadow": engine.scheduler.shadow.stats(),
             "process": {
                 "peak_rss_bytes": peak_rss_bytes(),
                 # What MLX holds now: the weights, the prefix store, the running sequences' KV, temporaries.

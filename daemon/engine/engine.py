@@ -185,10 +185,18 @@ class Engine:
             fault_point("loop")  # while there is work: an idle engine has nothing to fail on
         self.poll_controls()
         self._admit_jobs()
+        shadow = self.scheduler.shadow
         if self.scheduler.has_work:
             self.scheduler.step()
+            if shadow.has_urgent_work:  # verify requests' checks share the engine's time: a pass per iteration
+                shadow.step()
             return
-        item = self.inbox.take(timeout=0.25)  # idle: sleep until something arrives
+        # Idle. A pending shadow check runs one pass at a time, and only while
+        # nothing is queued: a request arriving now waits one pass at most.
+        item = self.inbox.take(timeout=0 if shadow.has_work else 0.25)
+        if item is None and shadow.has_work:
+            shadow.step()
+            return
         if isinstance(item, GenerateJob):
             self._held_job = item
         elif item is not None:
@@ -228,6 +236,7 @@ class Engine:
                 return
             if not scheduler.admit(job):
                 self._held_job = job  # its KV does not fit yet: keep it first in line
+                scheduler.shadow.drop_current("a request needed its memory")
                 return
 
     def _load_all(self) -> None:
@@ -269,6 +278,8 @@ class Engine:
             max_active=self.settings.max_active,
             kv_budget_bytes=self.settings.cache_bytes,
             resolve_model=self.model_for,
+            shadow_rate=self.settings.shadow_rate,
+            shadow_action=self.settings.shadow_action,
         )
 
     def _recompute_seconds(self, start_depth: int, num_tokens: int) -> float:

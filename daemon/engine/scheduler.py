@@ -14,6 +14,7 @@ Engine thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, deque
 from typing import Any, Callable
@@ -22,19 +23,22 @@ import structlog
 
 from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from ..cache import PrefixStore
+from ..cache import CacheReport, PrefixStore
 from ..common_prefix import common_prefix_length
 from ..kv.fork import capture_snapshot
 from ..models.loaded_model import LoadedModel
 from .batch_decoder import BatchDecoder, sample_first
 from .faults import fault_point
-from .jobs import FAILED, GenerateJob
+from .jobs import DONE, FAILED, GenerateJob
 from .prefill import last_token_logits, make_sequence, prefill_step, start_prefill, store_progress
 from .sequence_state import Phase, SequenceState
+from .shadow_checker import ShadowChecker
+from .shadow_run import ShadowOutcome
 
 log = structlog.get_logger("prefixd.scheduler")
 
 MIN_BATCHED_TAILS = 3  # short prompt tails that arrive together and are prefilled in one batched pass
+SIDE_EVICTION_SHARE = 16  # a shadow run may evict stored entries for at most 1/16 of the KV budget
 
 
 class Scheduler:
@@ -45,6 +49,8 @@ class Scheduler:
         max_active: int,
         kv_budget_bytes: int,
         resolve_model: Callable[[str | None], LoadedModel],
+        shadow_rate: float = 0.0,
+        shadow_action: str = "log",
     ):
         self.store = store
         self.chunk_size = chunk_size
@@ -57,6 +63,8 @@ class Scheduler:
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         # Seconds spent prefilling and decoding since both last had work (see step).
         self._prefill_s = self._decode_s = 0.0
+        self.side_reserved_bytes = 0  # KV that is no running request's: the shadow check's run
+        self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=self.reserve_side)
 
     # -- admission --------------------------------------------------------------------
 
@@ -108,8 +116,8 @@ class Scheduler:
                 f"{self.kv_budget_bytes >> 20} MiB (--cache-bytes); lower max_tokens or shorten the prompt",
             )
         reserved = self._reserved_bytes(extra=seq)
-        if reserved > self.kv_budget_bytes and self.active:
-            return False
+        if reserved > self.kv_budget_bytes and (self.active or self.side_reserved_bytes):
+            return False  # the engine gives it the shadow run's room, or it waits for a running one to end
         self._lend_to_running(reserved)
         return True
 
@@ -127,7 +135,24 @@ class Scheduler:
             loaded = rows[0].loaded
             longest = max(_reserved_tokens(seq) for seq in rows)
             total += len(rows) * (longest * loaded.kv_bytes_per_token + loaded.state_bytes_per_sequence)
-        return total
+        return total + self.side_reserved_bytes
+
+    def reserve_side(self, num_bytes: int) -> bool:
+        """Room in the budget for the shadow run's cache (0: give it back); False if it does not fit now.
+
+        The room must be free already, or small (a sixteenth of the budget at
+        most): a check may cost the store its least recently used entries,
+        but not a large share of what it holds.
+        """
+        running = self._reserved_bytes() - self.side_reserved_bytes
+        stored = self.store.num_bytes if self.store is not None else 0
+        free_now = running + stored + num_bytes <= self.kv_budget_bytes
+        if num_bytes and (running + num_bytes > self.kv_budget_bytes
+                          or not (free_now or num_bytes <= self.kv_budget_bytes // SIDE_EVICTION_SHARE)):
+            return False
+        self.side_reserved_bytes = num_bytes
+        self._lend_to_running(self._reserved_bytes())
+        return True
 
     def _lend_to_running(self, reserved: int) -> None:
         if self.store is not None:
@@ -136,11 +161,23 @@ class Scheduler:
     def _start(self, seq: SequenceState) -> None:
         self.active.append(seq)
         start_prefill(seq, self.store, self.chunk_size)
+        if seq.reused and self.shadow.distrusts(seq.loaded.name, seq.report.checkpoint):
+            self._start_without_reuse(seq)
         leader = self._prefilling_leader(seq)
         if leader is not None:
             seq.phase, seq.waiting_on = Phase.WAITING, leader
         else:
             self._prefill_turns.append(seq)
+
+    def _start_without_reuse(self, seq: SequenceState) -> None:
+        """The shadow check caught this checkpoint kind giving wrong output (--shadow-action stop-reuse)."""
+        kind = seq.report.checkpoint
+        cache = dataclasses.replace(seq.params.cache, use=False)
+        seq.job.params = dataclasses.replace(seq.params, cache=cache)
+        seq.report = CacheReport(prompt_tokens=len(seq.tokens))
+        start_prefill(seq, self.store, self.chunk_size)
+        seq.report.turn_off("distrusted")
+        seq.report.checkpoint = kind  # the kind it would have reused
 
     def _prefilling_leader(self, seq: SequenceState) -> SequenceState | None:
         """Another sequence now prefilling a prefix this one shares beyond its own reuse."""
@@ -253,6 +290,7 @@ class Scheduler:
         if len(seq.tokens) > 1:  # a 1-token prompt has no prompt-end depth to store
             seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
         seq.phase = Phase.DECODE
+        self.shadow.keep(seq, None)  # its first token comes from the batch: no prompt logits to keep
         self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
 
     def _prefill_chunk(self, seq: SequenceState) -> None:
@@ -278,6 +316,7 @@ class Scheduler:
         if logits is None:
             logits = last_token_logits(seq)
         token = sample_first(seq, logits)
+        self.shadow.keep(seq, logits)
         stopped = seq.on_token(token)  # True on an end token or a stop string
         if stopped or seq.params.max_tokens <= 1:
             self._finish(seq, seq.cache, FINISH_STOP if stopped else FINISH_LENGTH)
@@ -346,7 +385,14 @@ class Scheduler:
                 log.exception("store_answer_failed", request_id=seq.job.request_id)
         self._release(seq)
         self.counters["cancelled" if seq.is_cancelled else "completed"] += 1
-        seq.finish(finish_reason)
+        verify = seq.params.cache.verify
+        result = seq.finish(finish_reason, send=not verify)
+        try:
+            self.shadow.take_finished(seq, lambda outcome: _send_verified(seq, result, outcome))
+        except Exception:  # the answer is done: a check that could not be queued costs the check only
+            log.exception("shadow_sample_failed", request_id=seq.job.request_id)
+            if verify:
+                _send_verified(seq, result, None, "the check could not be queued")
 
     def _store_answer(self, seq: SequenceState, cache: list[Any]) -> None:
         """Keep prompt + answer, so the next turn of a chat reuses the answer it just got."""
@@ -390,6 +436,7 @@ class Scheduler:
         sequence, no batch, every lease released.
         """
         self._decoders.clear()
+        self.shadow.fail_all(err.message)
         for seq in list(self.active):
             try:
                 self._fail(seq, err)
@@ -420,6 +467,13 @@ class Scheduler:
             "kv_reserved_bytes": self._reserved_bytes(),
             "active_per_client": dict(Counter(s.job.client_id for s in self.active)),
         }
+
+
+def _send_verified(seq: SequenceState, result: dict[str, Any], outcome: ShadowOutcome | None,
+                   why_not: str = "nothing was reused: there is no cached run to compare") -> None:
+    """A verify request's reply: its answer, with the comparison (or why there is none) as ``verify``."""
+    verify = outcome.to_wire() if outcome is not None else {"status": "not-checked", "reason": why_not}
+    seq.job.emit(DONE, {**result, "verify": verify})
 
 
 def internal_error(exc: BaseException, what: str = "internal error") -> RpcError:

@@ -16,6 +16,8 @@ class EngineSettings:
     max_queued: int
     max_queued_per_client: int
     max_active: int  # sequences prefilling or decoding at once
+    shadow_rate: float = 0.0  # share of greedy cache hits re-run without the cache when idle (shadow_checker.py)
+    shadow_action: str = "log"  # on a mismatch: log, or stop-reuse (that checkpoint kind, for that model)
 
 
 CPU_PREFILL_CHUNK = 512

@@ -126,3 +126,12 @@ class _EngineGauges(Collector):
         if process.get("peak_rss_bytes") is not None:
             yield GaugeMetricFamily("prefixd_process_peak_rss_bytes", "Peak resident memory", value=process["peak_rss_bytes"])
         yield GaugeMetricFamily("prefixd_mlx_active_bytes", "Memory MLX holds now", value=process["mlx_active_bytes"])
+        shadow = stats.get("shadow", {})
+        runs = CounterMetricFamily("prefixd_shadow_checks", "Shadow checks of cache hits (re-run without the cache) "
+                                   "by result: match, mismatch, dropped, failed", labels=["model", "result"])
+        for model, counts in shadow.get("per_model", {}).items():
+            for result, count in counts.items():
+                runs.add_metric([model, result], count)
+        yield runs
+        yield GaugeMetricFamily("prefixd_shadow_pending", "Cache hits waiting for their shadow check",
+                                value=shadow.get("pending", 0))

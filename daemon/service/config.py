@@ -86,6 +86,14 @@ def number(minimum: float) -> Callable[[Any], float]:
     return parse
 
 
+def fraction(value: Any) -> float:
+    """A share between 0 and 1."""
+    share = number(0)(value)
+    if share > 1:
+        raise ValueError("must be between 0 and 1")
+    return share
+
+
 def choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in choices:
@@ -163,6 +171,8 @@ OPTIONS: dict[str, Option] = {
         Option("disk_save_interval", number(1), 60.0),
         Option("prefill_chunk", integer(16), None, "512 on a CPU, 2048 on a GPU (where one pass of 2k tokens costs little more than one of 512)"),
         Option("max_active", integer(1), 16),
+        Option("shadow_rate", fraction, 0.05),
+        Option("shadow_action", choice("log", "stop-reuse"), "log"),
         Option("max_queued", integer(1), 256),
         Option("max_queued_per_client", integer(1), 64),
         Option("grace_seconds", number(0), 10.0),

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disk-save-interval", type=float, help="seconds between saves of what changed (default 60; also saved at shutdown)")
     parser.add_argument("--prefill-chunk", type=int, help="prefill chunk size in tokens, at least 16; every chunk end is a cache checkpoint (default 512 on a CPU, 2048 on a GPU)")
     parser.add_argument("--max-active", type=int, help="sequences prefilling or decoding at once; the rest queue (default 16)")
+    parser.add_argument("--shadow-rate", type=float, help="share of greedy cache hits the shadow check re-runs without the cache, "
+                        "when the engine is idle, to prove the cache gives the same output (default 0.05; 0: off)")
+    parser.add_argument("--shadow-action", choices=["log", "stop-reuse"], help="when a shadow check finds a difference: "
+                        "log it (default), or also stop reusing that checkpoint kind for that model until restart")
     parser.add_argument("--max-queued", type=int, help="queued requests in total before OVERLOADED (default 256)")
     parser.add_argument("--max-queued-per-client", type=int, help="queued requests per connection before OVERLOADED (default 64)")
     parser.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default 10)")
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_nodes=args.cache_entries,
         pinned_bytes=args.pinned_bytes,
         max_active=args.max_active,
+        shadow_rate=args.shadow_rate,
+        shadow_action=args.shadow_action,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
     )
