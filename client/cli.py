@@ -21,6 +21,7 @@ from prefixd.protocol.paths import SOCKET_ENV, default_socket_path
 from .display import format_cache_line, format_models, format_stats
 from .errors import DaemonUnavailable, PrefixdError
 from .sync_client import Client
+from .verify_command import add_verify_parser, run_verify
 
 # Everything after these words belongs to the daemon's own parser (its --help included).
 _PASSTHROUGH = ("serve", "setup", "config")
@@ -95,6 +96,7 @@ def _make_parser() -> argparse.ArgumentParser:
     tok.add_argument("--model")
     tok.add_argument("--chat", action="store_true", help="render TEXT as a user message first")
     tok.add_argument("--json", action="store_true")
+    add_verify_parser(sub)
     return parser
 
 
@@ -227,7 +229,7 @@ def _tokenize(client: Client, args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"generate": _generate, "chat": _chat, "stats": _stats, "ping": _ping, "models": _models,
-             "tokenize": _tokenize}
+             "tokenize": _tokenize, "verify": run_verify}
 
 
 def _messages(system: str | None) -> list[dict[str, str]]:
