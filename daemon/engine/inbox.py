@@ -174,9 +174,15 @@ class Inbox:
     def counts(self) -> dict[str, Any]:
         with self._lock:
             self._drop_cancelled(None)
+            # A request still being encoded holds its place in line (see reserve), so it counts as
+            # queued here as it does against the limits: a client that was just accepted sees itself.
+            per_client = {client: len(q) for client, q in self._per_client.items()}
+            for client, count in self._reserved.items():
+                per_client[client] = per_client.get(client, 0) + count
             return {
-                "queued": self._num_queued,
-                "queued_per_client": {client: len(q) for client, q in self._per_client.items()},
+                "queued": self._num_queued + self._num_reserved,
+                "encoding": self._num_reserved,
+                "queued_per_client": {client: n for client, n in per_client.items() if n},
             }
 
 
