@@ -8,10 +8,12 @@ answer for the same mistake.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, RpcError
+from .tools import ToolChoice, parse_message_tool_fields, parse_tool_choice, parse_tools
 
 PROTOCOL_VERSION = 1
 
@@ -35,6 +37,14 @@ FINISH_CANCELLED = "cancelled"
 
 MAX_STOP_STRINGS = 16
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_CONSTRAINT_CHARS = 1 << 18  # a JSON schema (as JSON text), a regex or a Lark grammar
+
+# constraint kinds: the one key of a generate's ``constraint`` map
+JSON_SCHEMA = "json_schema"
+JSON_OBJECT = "json_object"
+REGEX = "regex"
+LARK = "lark"
+CONSTRAINT_KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, LARK)
 
 
 def _invalid(message: str) -> RpcError:
@@ -81,13 +91,84 @@ class CacheOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the answer must match, enforced token by token while it is sampled (constrained decoding).
+
+    ``kind`` is one of CONSTRAINT_KINDS; ``source`` is the JSON schema as
+    JSON text (json_schema), "" (json_object: any JSON object), the pattern
+    (regex: the whole answer matches it) or the grammar (lark, llguidance's
+    Lark dialect). Build one with the class methods; a front that forces an
+    answer's shape (a tool call) puts one on GenerateParams.constraint.
+    Whether the grammar compiles is the daemon's check, not this one's.
+    """
+
+    kind: str
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any]) -> "Constraint":
+        return cls(JSON_SCHEMA, _schema_text(schema, "json_schema"))
+
+    @classmethod
+    def json_object(cls) -> "Constraint":
+        return cls(JSON_OBJECT, "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        return cls(REGEX, pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Constraint":
+        return cls(LARK, grammar)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``constraint`` map that parse_constraint reads back."""
+        if self.kind == JSON_SCHEMA:
+            return {JSON_SCHEMA: json.loads(self.source)}
+        return {self.kind: True if self.kind == JSON_OBJECT else self.source}
+
+
+def _schema_text(schema: Any, where: str) -> str:
+    if not isinstance(schema, dict):
+        raise _invalid(f"'{where}' must be a JSON schema (a map), got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise _invalid(f"'{where}' is not a JSON schema: {exc}") from None
+
+
+def parse_constraint(raw: Any, where: str = "constraint") -> Constraint | None:
+    """``{json_schema: {...}}``, ``{json_object: true}``, ``{regex: "..."}`` or ``{lark: "..."}``; None when absent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in CONSTRAINT_KINDS:
+        raise _invalid(f"'{where}' must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, "
+                       "e.g. {\"json_schema\": {\"type\": \"object\"}} or {\"regex\": \"[0-9]+\"}")
+    ((kind, value),) = raw.items()
+    if kind == JSON_OBJECT:
+        if value is not True:
+            raise _invalid(f"'{where}.json_object' must be true")
+        return Constraint.json_object()
+    if kind == JSON_SCHEMA:
+        constraint = Constraint(JSON_SCHEMA, _schema_text(value, f"{where}.json_schema"))
+    elif not isinstance(value, str) or not value:
+        raise _invalid(f"'{where}.{kind}' must be a non-empty string")
+    else:
+        constraint = Constraint(kind, value)
+    if len(constraint.source) > MAX_CONSTRAINT_CHARS:
+        raise _invalid(f"'{where}.{kind}' is longer than {MAX_CONSTRAINT_CHARS} characters")
+    return constraint
+
+
+@dataclass(frozen=True, slots=True)
 class PromptInput:
     """Exactly one of text, messages or tokens."""
 
     text: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     tokens: tuple[int, ...] | None = None
     add_generation_prompt: bool = True
+    tools: tuple[dict[str, Any], ...] | None = None  # (messages only) for the chat template's tools section
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +183,12 @@ class GenerateParams:
     stream: bool = False
     session: str | None = None
     cache: CacheOptions = field(default_factory=CacheOptions)
+    constraint: Constraint | None = None  # the answer's grammar (constrained decoding)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
-_PROMPT_KEYS = {"prompt", "messages", "tokens", "add_generation_prompt", "model", "session", "cache"}
-_GENERATE_KEYS = _PROMPT_KEYS | {"max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+_PROMPT_KEYS = {"prompt", "messages", "tokens", "add_generation_prompt", "model", "session", "cache", "tools"}
+_GENERATE_KEYS = _PROMPT_KEYS | {"max_tokens", "temperature", "top_p", "seed", "stop", "stream", "constraint", "tool_choice"}
 
 
 def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
@@ -114,6 +197,9 @@ def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
     if len(given) != 1:
         raise _invalid("give exactly one of 'prompt' (text), 'messages' (chat) or 'tokens' (ids)")
     add_gen = _get(params, "add_generation_prompt", (bool,), True, "a boolean")
+    tools = parse_tools(params.get("tools"))
+    if tools is not None and given[0] != "messages":
+        raise _invalid("'tools' go into the chat template: they need 'messages'")
     if given[0] == "prompt":
         return PromptInput(text=_get(params, "prompt", (str,), None, "a string"))
     if given[0] == "tokens":
@@ -123,10 +209,10 @@ def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
             raise _invalid("'tokens' must hold non-negative integers only")
         return PromptInput(tokens=tuple(tokens))
-    return PromptInput(messages=_parse_messages(params["messages"]), add_generation_prompt=add_gen)
+    return PromptInput(messages=_parse_messages(params["messages"]), add_generation_prompt=add_gen, tools=tools)
 
 
-def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
+def _parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise _invalid("'messages' must be a non-empty array of {role, content} maps")
     parsed = []
@@ -134,9 +220,12 @@ def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
         if not isinstance(message, dict):
             raise _invalid(f"messages[{index}] must be a map with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
+        tool_fields = parse_message_tool_fields(index, message)
+        if content is None and "tool_calls" in tool_fields:
+            content = ""  # an assistant turn that only calls tools
         if not isinstance(role, str) or not isinstance(content, str):
             raise _invalid(f"messages[{index}] needs string 'role' and 'content'")
-        parsed.append({"role": role, "content": content})
+        parsed.append({"role": role, "content": content, **tool_fields})
     return tuple(parsed)
 
 
@@ -177,8 +266,15 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
     cache = parse_cache_options(params)
     if cache.verify and temperature > 0:
         raise _invalid("'cache.verify' compares greedy runs: it needs temperature 0")
+    constraint = parse_constraint(params.get("constraint"))
+    if cache.verify and constraint is not None:
+        raise _invalid("'cache.verify' re-runs the request unconstrained: it cannot go with 'constraint'")
+    prompt = parse_prompt_input(params)
+    tool_choice = parse_tool_choice(params.get("tool_choice"), prompt.tools)
+    if tool_choice.forces_call and (constraint is not None or cache.verify):
+        raise _invalid("'tool_choice' forcing a call constrains the answer: it cannot go with 'constraint' or 'cache.verify'")
     return GenerateParams(
-        prompt=parse_prompt_input(params),
+        prompt=prompt,
         model=_get(params, "model", (str,), None, "a string"),
         max_tokens=max_tokens,
         temperature=temperature,
@@ -188,6 +284,8 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
         stream=_get(params, "stream", (bool,), False, "a boolean"),
         session=_get(params, "session", (str,), None, "a string"),
         cache=cache,
+        constraint=constraint,
+        tool_choice=tool_choice,
     )
 
 

@@ -173,27 +173,40 @@ class PromptEncoder:
             return EncodedPrompt(list(prompt.tokens))
         if prompt.text is not None:
             return EncodedPrompt(self.tokenizer.encode(prompt.text), prompt.text)
-        return self._encode_messages(list(prompt.messages), prompt.add_generation_prompt)
+        return self._encode_messages(list(prompt.messages), prompt.add_generation_prompt, prompt.tools)
 
-    def render_messages(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        tools: tuple[dict[str, Any], ...] | None = None) -> str:
+        """The chat as the model's template writes it; ``tools`` fill the template's tools section."""
         if not self.tokenizer.has_chat_template:
             raise RpcError(ErrorCode.INVALID_PARAMS, f"model {self.model_name} has no chat template; send 'prompt' text instead")
+        if tools and not self.supports_tools:
+            raise RpcError(ErrorCode.INVALID_PARAMS, f"model {self.model_name}'s chat template has no place for 'tools' "
+                                                     "(it never reads them), so the model would not see them")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=list(tools) if tools else None
             )
         except Exception as exc:  # a template may reject e.g. an unknown role
             raise RpcError(ErrorCode.INVALID_PARAMS, f"the chat template rejected the messages: {exc}") from None
 
-    def _encode_messages(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> EncodedPrompt:
-        text = self.render_messages(messages, add_generation_prompt)
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template reads ``tools`` (a template that never names them would drop them silently)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    def _encode_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                         tools: tuple[dict[str, Any], ...] | None = None) -> EncodedPrompt:
+        text = self.render_messages(messages, add_generation_prompt, tools)
         token_ids, token_ends = self._encode_with_offsets(text)
-        ends = self._message_ends(messages, text)
+        ends = self._message_ends(messages, text, tools)
         spans = tuple(MessageSpan(index, messages[index]["role"], bisect.bisect_right(token_ends, end))
                       for index, end in ends)
         return EncodedPrompt(token_ids, text, spans)
 
-    def _message_ends(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+    def _message_ends(self, messages: list[dict[str, Any]], text: str,
+                      tools: tuple[dict[str, Any], ...] | None = None) -> list[tuple[int, int]]:
         """(message index, character offset in ``text`` where it ends), ascending.
 
         Exact: where the rendering of messages[:index+1] stops agreeing with
@@ -214,7 +227,7 @@ class PromptEncoder:
                 cursor = found + len(content)
                 ends.append((index, cursor))
         for index in range(first_exact, len(messages)):
-            partial = self.render_messages(messages[: index + 1], add_generation_prompt=False)
+            partial = self.render_messages(messages[: index + 1], add_generation_prompt=False, tools=tools)
             ends.append((index, common_prefix_length(partial, text)))
         return ends
 
