@@ -132,7 +132,8 @@ def _schema_text(schema: Any, where: str) -> str:
     if not isinstance(schema, dict):
         raise _invalid(f"'{where}' must be a JSON schema (a map), got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        # Key order kept: a schema's property order is the order the answer writes them in.
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise _invalid(f"'{where}' is not a JSON schema: {exc}") from None
 
