@@ -55,7 +55,7 @@ def run_verify(client: Client, args: argparse.Namespace) -> int:
     if args.prompts:
         checks = list(_file_checks(client, args.prompts, options))
     else:
-        checks = list(_builtin_checks(client, options, secrets.token_hex(4)))
+        checks = list(builtin_checks(client, options, secrets.token_hex(4)))
     if args.json:
         for check in checks:
             print(json.dumps({"scenario": check.scenario, "checkpoint": check.checkpoint,
@@ -67,7 +67,7 @@ def run_verify(client: Client, args: argparse.Namespace) -> int:
 
 # -- the prompts ---------------------------------------------------------------------------
 
-def _builtin_checks(client: Client, options: dict[str, Any], nonce: str) -> Iterator[Check]:
+def builtin_checks(client: Client, options: dict[str, Any], nonce: str) -> Iterator[Check]:
     def send(scenario: str, verify: bool = True, **request: Any) -> dict[str, Any]:
         reply = client.generate(**request, **options, cache={"verify": True} if verify else None)
         if verify:

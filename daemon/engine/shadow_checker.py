@@ -20,6 +20,7 @@ Engine thread only, except ``stats()``'s numbers, which are plain ints.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter, deque
 from typing import Callable
 
@@ -54,6 +55,9 @@ class ShadowChecker:
         self._current: ShadowRun | None = None
         self.counts: dict[str, Counter[str]] = {}  # model -> outcome -> runs
         self._distrusted: dict[str, set[str]] = {}  # model -> checkpoint kinds it no longer reuses
+        # The longest single shadow pass since start: the most a real request
+        # arriving mid-pass can have waited for the check (bench/shadow_probe.py).
+        self.longest_pass_ms = 0.0
 
     # -- what gets checked -----------------------------------------------------------------
 
@@ -61,6 +65,8 @@ class ShadowChecker:
         """Decided when the first token is sampled: keep this request's prompt logits for a check?"""
         if seq.params.cache.verify:
             return True
+        if seq.params.constraint is not None:
+            return False  # an unconstrained re-run may legitimately answer otherwise
         return (self.rate > 0 and seq.reused > 0 and _is_greedy(seq) and not seq.job.warm_only
                 and self._rng.random() < self.rate)
 
@@ -114,12 +120,14 @@ class ShadowChecker:
         if self._current is None and not self._start_next():
             return
         run = self._current
+        started = time.perf_counter()
         try:
             outcome = run.step()
         except Exception as exc:  # a broken shadow run costs its check, never the engine
             log.exception("shadow_run_failed", request_id=run.sample.request_id, model=run.sample.loaded.name)
             outcome = ShadowOutcome(run.sample.request_id, run.sample.loaded.name, "failed",
                                     reason=f"{type(exc).__name__}: {exc}")
+        self.longest_pass_ms = max(self.longest_pass_ms, (time.perf_counter() - started) * 1000)
         if outcome is not None:
             self._current = None
             self._reserve(0)
@@ -173,6 +181,7 @@ class ShadowChecker:
             "rate": self.rate,
             "action": self.action,
             "pending": len(self._pending) + len(self._urgent) + (self._current is not None),
+            "longest_pass_ms": round(self.longest_pass_ms, 1),
             "per_model": {model: {status: counts[status] for status in OUTCOMES} for model, counts in self.counts.items()},
             "distrusted": {model: sorted(kinds) for model, kinds in self._distrusted.items()},
         }

@@ -54,6 +54,7 @@ def test_every_shadow_check_matches_on_healthy_models_and_metrics_count_them(sta
     with Client(daemon.socket_path, timeout=60) as client:
         reused = {model: _cache_hits(client, model, f"healthy {model}") for model in ("llama", "lfm2")}
         shadow = _wait_until_checked(client)
+    assert shadow["longest_pass_ms"] > 0  # the passes ran, and were timed
     for model in ("llama", "lfm2"):
         counts = shadow["per_model"][model]
         assert reused[model] >= 3 and counts["mismatch"] == 0 and counts["failed"] == 0, (model, shadow)
