@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from .constrained_sampling import batch_processor, mask_logits
 from .faults import fault_point
 from .sequence_state import SequenceState
 from .solo_decoder import SoloDecoder
@@ -81,6 +82,8 @@ def seeded_sampler(temperature: float, top_p: float, seed: int) -> Callable[[mx.
 
 def sample_first(seq: SequenceState, logits: mx.array) -> int:
     """The first answer token from the prompt's last logits, as the batch would sample it."""
+    if seq.grammar is not None:
+        logits = mask_logits(seq.grammar, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return int(sampler_for(seq)(logprobs).item())
 
@@ -129,15 +132,21 @@ class BatchDecoder:
             self._move_solo_to_batch()
         self._insert(seq, inputs, max_tokens)
 
-    def _insert(self, seq: SequenceState, inputs: list[int], max_tokens: int) -> None:
+    def _insert(self, seq: SequenceState, inputs: list[int], max_tokens: int, last_input_index: int | None = None) -> None:
+        """``last_input_index``: the answer index of ``inputs[-1]`` (default: the last token handed out; -1: a prompt token)."""
         # The generator would take a missing cache for an empty one and answer from no context at all.
         if seq.cache is None:
             raise RuntimeError(f"sequence {seq.job.request_id} joins the batch without its cache")
+        processors = []
+        if seq.grammar is not None:  # a masked row of its own; the other rows stay as they are
+            index = len(seq.generated) - 1 if last_input_index is None else last_input_index
+            processors.append(batch_processor(seq.grammar, index))
         (uid,) = self._generator.insert(
             [inputs],
             max_tokens=[max_tokens],
             caches=[seq.cache],
             samplers=[sampler_for(seq)],
+            logits_processors=[processors],
             stop_sequences=[self._stop],
         )
         seq.uid = uid
@@ -153,7 +162,7 @@ class BatchDecoder:
             return
         self._carried.append(StepEvent(solo.seq, token, False, None))
         solo.seq.cache = solo.cache  # handed to the batch (and taken off the sequence) by _insert
-        self._insert(solo.seq, [token], solo.remaining)
+        self._insert(solo.seq, [token], solo.remaining, last_input_index=len(solo.seq.generated))  # not handed out yet
 
     def step(self) -> list[StepEvent]:
         """One decode step for every sequence in the batch."""

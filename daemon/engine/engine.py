@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import structlog
@@ -19,6 +20,7 @@ from ...protocol.errors import ErrorCode, RpcError
 from ..cache import PrefixStore
 from ..models.loaded_model import LoadedModel, ModelCard, load_model
 from ..models.names import model_not_found
+from .constrained_sampling import compiler_for
 from .control_calls import ControlCalls, peak_rss_bytes
 from .faults import fault_point
 from .inbox import Inbox
@@ -32,6 +34,7 @@ log = structlog.get_logger("prefixd.engine")
 # Failures in a row, each already answered by failing every running request,
 # after which the engine stops trying: something is broken beyond one batch.
 MAX_FAILED_ITERATIONS = 3
+NUM_GRAMMAR_THREADS = 2
 
 
 class ControlCall:
@@ -74,6 +77,8 @@ class Engine:
         self.dead_reason: str | None = None  # set once, when the engine gives up
         self.on_dead: Callable[[str], None] | None = None  # called on the engine thread; must be thread-safe
         self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
+        # Constraints compile here, off the engine thread and off the event loop (see submit).
+        self._grammar_pool = ThreadPoolExecutor(NUM_GRAMMAR_THREADS, thread_name_prefix="prefixd-grammar")
 
     # -- lifecycle (front side) ---------------------------------------------------
 
@@ -95,6 +100,7 @@ class Engine:
         except RpcError:
             pass  # it is gone already
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False)  # a compile still running queues its job into a closed inbox: it fails
 
     @property
     def is_alive(self) -> bool:
@@ -106,8 +112,39 @@ class Engine:
         """Queue a job; raises OVERLOADED, SHUTTING_DOWN or ENGINE_DEAD at once when it cannot be.
 
         ``reserved``: the job fills a place taken with ``inbox.reserve`` before it was encoded.
+        A job with a constraint keeps (or takes) its place while the constraint
+        compiles on a grammar thread, then is queued; one whose constraint does
+        not compile fails with INVALID_PARAMS through its ``emit``.
         """
+        if job.params.constraint is not None and job.grammar is None and not job.warm_only:
+            if not reserved:
+                self.inbox.reserve(job.client_id)
+            try:
+                self._grammar_pool.submit(self._compile_then_queue, job)
+            except RuntimeError:  # stopped: the pool takes no more work
+                self.inbox.release(job.client_id)
+                raise RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down") from None
+            return
         self.inbox.put_job(job, reserved)
+
+    def _compile_then_queue(self, job: GenerateJob) -> None:
+        """On a grammar thread: the job's matcher, then its place in the queue (it holds a reserved one)."""
+        try:
+            if job.cancelled.is_set():
+                raise RpcError(ErrorCode.CANCELLED, "cancelled before it started")
+            loaded = self.model_for(job.params.model)
+            job.grammar = compiler_for(loaded).start(job.params.constraint)
+        except BaseException as exc:
+            self.inbox.release(job.client_id)
+            if not isinstance(exc, RpcError):
+                log.exception("constraint_compile_failed", request_id=job.request_id)
+                exc = internal_error(exc, "the constraint could not be compiled")
+            job.emit(FAILED, exc)
+            return
+        try:
+            self.inbox.put_job(job, reserved=True)
+        except RpcError as err:  # closed meanwhile (shutting down, engine dead): the place is given back
+            job.emit(FAILED, err)
 
     def cancel(self, job: GenerateJob) -> None:
         """Cancel a job: a queued one is answered CANCELLED at once and gives its place in line back."""

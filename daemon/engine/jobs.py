@@ -13,10 +13,13 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...protocol.methods import GenerateParams
 from ..models.prompt_encoding import EncodedPrompt
+
+if TYPE_CHECKING:
+    from ..grammar import GrammarState
 
 _job_counter = itertools.count(1)
 
@@ -36,6 +39,9 @@ class GenerateJob:
     emit: Callable[[str, Any], None]
     warm_only: bool = False
     encoded: EncodedPrompt | None = None  # the prompt as the front encoded it (else the engine encodes it)
+    # The answer's matcher under params.constraint, compiled off the engine thread
+    # (Engine.submit; the inline runner compiles at admission). None: unconstrained.
+    grammar: "GrammarState | None" = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     job_id: int = field(default_factory=lambda: next(_job_counter))

@@ -28,6 +28,7 @@ from ..common_prefix import common_prefix_length
 from ..kv.fork import capture_snapshot
 from ..models.loaded_model import LoadedModel
 from .batch_decoder import BatchDecoder, sample_first
+from .constrained_sampling import after_token, start_grammar
 from .faults import fault_point
 from .jobs import DONE, FAILED, GenerateJob
 from .prefill import last_token_logits, make_sequence, prefill_step, start_prefill, store_progress
@@ -81,6 +82,7 @@ class Scheduler:
         try:
             fault_point("admit")
             loaded = self.resolve_model(job.params.model)
+            start_grammar(job, loaded)  # compiled already, unless the job came without Engine.submit
             seq = make_sequence(job, loaded)
             if not self._reserve_memory(seq):
                 return False
@@ -290,7 +292,8 @@ class Scheduler:
         if len(seq.tokens) > 1:  # a 1-token prompt has no prompt-end depth to store
             seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
         seq.phase = Phase.DECODE
-        self.shadow.keep(seq, None)  # its first token comes from the batch: no prompt logits to keep
+        if seq.grammar is None:  # an unconstrained re-run of a constrained answer may differ: never checked
+            self.shadow.keep(seq, None)  # its first token comes from the batch: no prompt logits to keep
         self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
 
     def _prefill_chunk(self, seq: SequenceState) -> None:
@@ -316,8 +319,10 @@ class Scheduler:
         if logits is None:
             logits = last_token_logits(seq)
         token = sample_first(seq, logits)
-        self.shadow.keep(seq, logits)
+        if seq.grammar is None:
+            self.shadow.keep(seq, logits)
         stopped = seq.on_token(token)  # True on an end token or a stop string
+        stopped = after_token(seq) or stopped  # True when the constraint's grammar is complete
         if stopped or seq.params.max_tokens <= 1:
             self._finish(seq, seq.cache, FINISH_STOP if stopped else FINISH_LENGTH)
             return
@@ -338,12 +343,15 @@ class Scheduler:
             try:
                 fault_point("token")
                 stopped = seq.on_token(event.token)
+                stopped = after_token(seq) or stopped  # a complete grammar ends the answer; a failed one raises
                 if event.done_by_batch:
                     reason = FINISH_STOP if event.token in seq.loaded.eos_token_ids else FINISH_LENGTH
                     self._finish(seq, event.cache, FINISH_STOP if stopped else reason)
                 elif stopped or seq.is_cancelled:
                     cache = decoder.remove(seq)
                     self._finish(seq, cache, FINISH_STOP if stopped else FINISH_CANCELLED)
+            except RpcError as err:  # this request's own failure (its constraint): it alone ends
+                self._fail(seq, err)
             except Exception as exc:
                 log.exception("sequence_failed", request_id=seq.job.request_id, phase="decode")
                 self._fail(seq, internal_error(exc))

@@ -74,6 +74,11 @@ class SequenceState:
         return self.job.params
 
     @property
+    def grammar(self):
+        """The answer's grammar matcher (GrammarState) when the request has a constraint, else None."""
+        return self.job.grammar
+
+    @property
     def is_cancelled(self) -> bool:
         return self.job.cancelled.is_set()
 

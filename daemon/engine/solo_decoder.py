@@ -13,6 +13,9 @@ out so far; ``pending`` is the next token, computed (or being computed) and
 not handed out yet. A sequence that stops early (stop string, cancel, a
 second sequence joining) therefore has an exact cache; the token computed
 ahead is dropped or handed out by whoever takes the sequence over.
+A constrained sequence (a grammar, constrained_sampling.py) needs each token
+on the host before the next step's mask: its step reads the token first and
+computes the mask while the forward pass runs.
 Engine thread only.
 """
 
@@ -22,6 +25,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from .constrained_sampling import mask_logits
 from .sequence_state import SequenceState
 
 # mlx-lm's generate_step returns freed buffers to the allocator this often.
@@ -51,12 +55,17 @@ class SoloDecoder:
         self._eos_token_ids = eos_token_ids
         self._stream = stream
         self._steps = 0
-        self._pending = self._forward(mx.array([[last_token]], dtype=mx.uint32))
+        self._grammar = seq.grammar
+        # last_token was handed out already (or is the prompt's last: index -1)
+        self._pending = self._forward(mx.array([[last_token]], dtype=mx.uint32), len(seq.generated) - 1, last_token)
 
-    def _forward(self, inputs: mx.array) -> mx.array:
-        """Feed ``inputs`` (1 x 1) and start computing the token after it."""
+    def _forward(self, inputs: mx.array, index: int, token: int | None) -> mx.array:
+        """Feed ``inputs`` (1 x 1; answer token ``index``, value ``token`` when known) and start computing the token after it."""
         with mx.stream(self._stream):
             logits = self._model(inputs, cache=self.cache)[:, -1, :]
+            if self._grammar is not None:
+                mx.async_eval(logits)  # the forward pass runs while the mask is computed
+                logits = mask_logits(self._grammar, logits, index, token)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = self._sampler(logprobs)
         mx.async_eval(token)
@@ -81,11 +90,12 @@ class SoloDecoder:
         """
         pending = self._pending
         self.remaining -= 1
+        known = int(pending.item()) if self._grammar is not None else None  # the mask needs it on the host
         if self.remaining > 0:
-            self._pending = self._forward(pending[None])
+            self._pending = self._forward(pending[None], len(self.seq.generated), known)  # handed out next
         else:
             self._pending = None
-        token = int(pending.item())
+        token = int(pending.item()) if known is None else known
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY_STEPS == 0:
             mx.clear_cache()
