@@ -53,6 +53,12 @@ def tiny_lfm2_dir(tiny_models_root) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tiny_models_root) -> Path:
+    """A random-weight Gemma 3 (sliding-window RotatingKVCache layers, window 32, + global KVCache layers)."""
+    return ensure_tiny_model("gemma3", tiny_models_root)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct prepared by prefixd.daemon.models.model_setup.
 

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache import CacheReport, PrefixStore
-from ..kv.fork import capture_segment, capture_snapshot, fork_cache
+from ..kv.fork import can_capture, capture_segment, capture_snapshot, fork_cache
 from ..kv.segments import segments_source
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
@@ -158,6 +158,12 @@ def store_progress(seq: SequenceState, store: PrefixStore | None, cache: list[An
     """Give the store what this sequence computed since the last call."""
     depth = len(tokens)
     if not uses_store(store, seq) or not seq.params.cache.store or depth <= seq.stored_upto:
+        seq.checkpoints.clear()
+        return
+    if not can_capture(cache, seq.loaded.layout, seq.stored_upto):
+        # A sliding window has dropped the oldest of these positions (an answer
+        # longer than the window, decoded in mlx-lm's batch, whose rows keep no
+        # record of what rotated out): what is stored stays exact, the rest is not kept.
         seq.checkpoints.clear()
         return
     segment = corrupted_if_asked(capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth))

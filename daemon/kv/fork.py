@@ -14,18 +14,38 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .layout import CacheLayout
 from .segments import KVSegment, StateSnapshot
+from .window_kv import window_cache, window_range
 
 # Spare room given to a forked attention cache, so the first tokens appended
 # after a hit write in place instead of triggering a second full copy.
 FORK_HEADROOM_TOKENS = 256
 
 
+def can_capture(cache: list[Any], layout: CacheLayout, start: int) -> bool:
+    """Whether the live cache still holds every position from ``start`` on.
+
+    Global attention layers always do; a sliding window drops positions
+    ``window`` steps after they were fed, and keeps them aside only on the
+    caches prefixd made (window_kv.WindowKVCache; a row back from mlx-lm's
+    batch is a plain RotatingKVCache), so an answer longer than the window may
+    no longer be stored whole.
+    """
+    return all(window_range(cache[i], start, cache[i].offset) is not None for i in layout.window_layers)
+
+
 def capture_segment(cache: list[Any], layout: CacheLayout, start: int, end: int) -> KVSegment | None:
-    """Copy positions [start, end) of the live cache's attention layers out for storing."""
+    """Copy positions [start, end) of the live cache's attention layers out for storing (see can_capture)."""
     if end <= start:
         return None
-    keys = [mx.contiguous(cache[i].keys[..., start:end, :]) for i in layout.attention_layers]
-    values = [mx.contiguous(cache[i].values[..., start:end, :]) for i in layout.attention_layers]
+    keys, values = [], []
+    windows = set(layout.window_layers)
+    for i in layout.attention_layers:
+        if i in windows:
+            layer_keys, layer_values = window_range(cache[i], start, end)
+        else:
+            layer_keys, layer_values = cache[i].keys[..., start:end, :], cache[i].values[..., start:end, :]
+        keys.append(mx.contiguous(layer_keys))
+        values.append(mx.contiguous(layer_values))
     mx.eval(keys, values)
     return KVSegment(keys, values, end - start)
 
@@ -60,11 +80,17 @@ def fork_cache(
     therefore never changes a stored entry (tests pin this).
     """
     cache = make_prompt_cache(model)
+    for layer_index in layout.window_layers:  # the same class, plus a record of what decode drops (window_kv.py)
+        cache[layer_index] = window_cache(layout.window_size)
     if length == 0:
         return cache
     assert sum(s.num_tokens for s in segments) == length, "segments must cover the prefix exactly"
     assert snapshot is not None or not layout.is_hybrid, "a hybrid fork needs a state snapshot"
+    windows = set(layout.window_layers)
     for position, layer_index in enumerate(layout.attention_layers):
+        if layer_index in windows:
+            cache[layer_index] = _fork_window(layout.window_size, segments, position, length)
+            continue
         keys = [s.keys[position] for s in segments]
         values = [s.values[position] for s in segments]
         batch, heads, _, key_dim = keys[0].shape
@@ -78,3 +104,23 @@ def fork_cache(
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
     return cache
+
+
+def _fork_window(window_size: int, segments: list[KVSegment], position: int, length: int) -> Any:
+    """A sliding-window layer at ``length``: the last min(length, window) stored positions, in order.
+
+    Only the tail segments are read; the concatenation is a new array, so the
+    fork never aliases the store.
+    """
+    needed = min(length, window_size)
+    keys, values = [], []
+    for segment in reversed(segments):
+        if needed == 0:
+            break
+        take = min(needed, segment.num_tokens)
+        keys.append(segment.keys[position][..., segment.num_tokens - take :, :])
+        values.append(segment.values[position][..., segment.num_tokens - take :, :])
+        needed -= take
+    keys.reverse()
+    values.reverse()
+    return window_cache(window_size, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), length)

@@ -1,9 +1,14 @@
 """Which layers of a model's mlx-lm cache the prefix store can hold, and how.
 
-Attention layers (``KVCache``) are trimmable: any prefix of a stored sequence
-is valid. State layers (``ArraysCache``: the conv/SSM state of hybrid models)
-are not: such a model can only resume where a snapshot of them was taken.
-Anything else (rotating, quantized, chunked caches) is not stored at all.
+Attention layers keep per-token keys and values, and the store keeps them for
+every token, so any prefix of a stored sequence is valid. They are either
+``KVCache`` (global attention) or ``RotatingKVCache`` (a sliding window: the
+live cache holds only the last ``window_size`` positions, but the store holds
+all of them, so a fork at any depth can rebuild the window there; see
+window_kv.py). State layers (``ArraysCache``: the conv/SSM state of hybrid
+models) are not trimmable: such a model can only resume where a snapshot of
+them was taken. Anything else (quantized, chunked caches; a rotating cache
+with ``keep`` tokens) is not stored at all.
 """
 
 from __future__ import annotations
@@ -11,16 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Which layers of a model's cache are attention (trimmable) and which are state."""
+    """Which layers of a model's cache are attention (per-token KV) and which are state."""
 
-    attention_layers: tuple[int, ...]
+    attention_layers: tuple[int, ...]  # KVCache and RotatingKVCache layers, in layer order
     state_layers: tuple[int, ...]
     other_layers: tuple[int, ...]
+    window_layers: tuple[int, ...] = ()  # the RotatingKVCache ones among attention_layers
+    window_size: int = 0  # their max_size (one size for all of them)
 
     @property
     def is_hybrid(self) -> bool:
@@ -28,12 +35,13 @@ class CacheLayout:
 
     @property
     def is_supported(self) -> bool:
-        """Only KVCache and ArraysCache layers can be stored and forked exactly."""
+        """Only these layer kinds can be stored and forked exactly."""
         return not self.other_layers
 
     def describe(self) -> dict[str, int]:
         return {
-            "kvcache": len(self.attention_layers),
+            "kvcache": len(self.attention_layers) - len(self.window_layers),
+            "rotating": len(self.window_layers),
             "arrays": len(self.state_layers),
             "other": len(self.other_layers),
         }
@@ -41,17 +49,27 @@ class CacheLayout:
 
 def make_cache_layout(model: Any) -> CacheLayout:
     """Classify the layers of the cache that mlx-lm makes for ``model``."""
-    attention, state, other = [], [], []
+    attention, window, state, other = [], [], [], []
+    window_sizes = set()
     for index, layer_cache in enumerate(make_prompt_cache(model)):
-        # Exact type checks: subclasses (rotating, quantized, chunked) do not
-        # share KVCache's "any prefix is valid" property.
+        # Exact type checks: subclasses (quantized, chunked) do not share
+        # these classes' "the KV of any prefix rebuilds the cache" property.
         if type(layer_cache) is KVCache:
             attention.append(index)
+        elif type(layer_cache) is RotatingKVCache and layer_cache.keep == 0:
+            # keep > 0 pins the first tokens in the window (attention sinks): a
+            # rebuilt window would need them too; no model prefixd serves does that.
+            attention.append(index)
+            window.append(index)
+            window_sizes.add(layer_cache.max_size)
         elif isinstance(layer_cache, ArraysCache):
             state.append(index)
         else:
             other.append(index)
-    return CacheLayout(tuple(attention), tuple(state), tuple(other))
+    if len(window_sizes) > 1:  # never seen; one size keeps the fork and its tests simple
+        other, attention, window = sorted(other + window), [i for i in attention if i not in window], []
+        window_sizes = set()
+    return CacheLayout(tuple(attention), tuple(state), tuple(other), tuple(window), max(window_sizes, default=0))
 
 
 def unbatchable_cache_types(caches: list[Any]) -> list[str]:

@@ -56,7 +56,7 @@ def test_models_describe_both_tiny_models(shared_daemon):
     llama, lfm2 = models["llama"], models["lfm2"]
     assert llama["default"] is True and lfm2["default"] is False
     assert llama["hybrid"] is False and lfm2["hybrid"] is True  # lfm2 has conv layers
-    assert llama["cache_layers"] == {"kvcache": 4, "arrays": 0, "other": 0}
+    assert llama["cache_layers"] == {"kvcache": 4, "rotating": 0, "arrays": 0, "other": 0}
     assert lfm2["cache_layers"]["arrays"] > 0 and lfm2["cache_layers"]["kvcache"] > 0
     for model in models.values():
         assert model["context_length"] == 8192

@@ -19,7 +19,7 @@ from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
 SOURCE_TEXT = __import__("inspect").getsource(__import__("json.decoder", fromlist=["x"]))
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "smollm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "smollm2"])
 def loaded(request):
     name = "smollm2_dir" if request.param == "smollm2" else f"tiny_{request.param}_dir"
     return load_model(str(request.getfixturevalue(name)), dtype="float32")

@@ -23,7 +23,7 @@ RELATIVE_TOLERANCE = 1e-4
 SOURCE_TEXT = (__import__("inspect").getsource(__import__("argparse")))[:40000]
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "smollm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "smollm2"])
 def loaded(request):
     if request.param == "smollm2":
         directory = request.getfixturevalue("smollm2_dir")

@@ -8,8 +8,9 @@ tokenizer) without any network access. We build them from scratch:
   Python's own stdlib sources, with ChatML special tokens and a ChatML chat
   template;
 * a config.json for an architecture mlx-lm already knows ("llama": KVCache
-  only; "lfm2": ArraysCache conv layers + KVCache attention layers), with
-  weights drawn under a fixed seed.
+  only; "lfm2": ArraysCache conv layers + KVCache attention layers;
+  "gemma3": RotatingKVCache sliding-window layers + KVCache global layers),
+  with weights drawn under a fixed seed.
 
 The weights are random, so generated text is gibberish, but the shapes,
 cache classes and numerics are those of the real architectures. Everything
@@ -69,6 +70,7 @@ HIDDEN = 256
 HEADS = 4
 KV_HEADS = 2
 MAX_POSITIONS = 8192
+TINY_WINDOW = 32  # the tiny gemma3's sliding window, small so that tests go 1.5-3x past it cheaply
 
 
 def corpus_texts() -> tuple[list[str], str]:
@@ -174,7 +176,25 @@ def model_config(kind: str, vocab_size: int, eos_id: int) -> dict:
             "rope_theta": 1000000.0,
             "tie_embedding": True,
         }
-    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'llama' or 'lfm2'")
+    if kind == "gemma3":
+        # Gemma 3's shape with a small window: layers 0, 1, 3, 4 slide over the
+        # last TINY_WINDOW positions (RotatingKVCache), layers 2 and 5 attend
+        # globally (KVCache). Layer 0 slides, as in Gemma 3: mlx-lm builds the
+        # sliding mask from cache[0] and the global one from cache[pattern - 1].
+        return {
+            **common,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 6,
+            "sliding_window_pattern": 3,
+            "sliding_window": TINY_WINDOW,
+            "head_dim": HIDDEN // HEADS,
+            "query_pre_attn_scalar": HIDDEN // HEADS,
+            "intermediate_size": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+        }
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'llama', 'lfm2' or 'gemma3'")
 
 
 def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:

@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.tiny_models import INFO_FILE, build_tiny_model, corpus_texts, ensure_tiny_model
 
-KINDS = ["llama", "lfm2"]
+KINDS = ["llama", "lfm2", "gemma3"]
 
 
 @pytest.fixture(autouse=True)
@@ -20,8 +20,8 @@ def _offline(monkeypatch):
 
 
 @pytest.fixture(params=KINDS)
-def tiny_dir(request, tiny_llama_dir, tiny_lfm2_dir):
-    return {"llama": tiny_llama_dir, "lfm2": tiny_lfm2_dir}[request.param]
+def tiny_dir(request, tiny_llama_dir, tiny_lfm2_dir, tiny_gemma3_dir):
+    return {"llama": tiny_llama_dir, "lfm2": tiny_lfm2_dir, "gemma3": tiny_gemma3_dir}[request.param]
 
 
 def _digests(path):
@@ -73,6 +73,23 @@ def test_llama_cache_is_plain_kv(tiny_llama_dir):
 
     model, _ = mlx_lm.load(str(tiny_llama_dir))
     assert {type(c) for c in make_prompt_cache(model)} == {KVCache}
+
+
+def test_gemma3_cache_slides_on_four_layers_of_six(tiny_gemma3_dir):
+    import mlx_lm
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    from prefixd.daemon.kv.layout import make_cache_layout
+    from tests.support.tiny_models import TINY_WINDOW
+
+    model, _ = mlx_lm.load(str(tiny_gemma3_dir))
+    cache = make_prompt_cache(model)
+    assert [type(c) for c in cache] == [RotatingKVCache, RotatingKVCache, KVCache] * 2
+    assert {c.max_size for c in cache if isinstance(c, RotatingKVCache)} == {TINY_WINDOW}
+    layout = make_cache_layout(model)
+    assert layout.attention_layers == (0, 1, 2, 3, 4, 5) and layout.window_layers == (0, 1, 3, 4)
+    assert layout.window_size == TINY_WINDOW and layout.is_supported and not layout.is_hybrid
+    assert layout.describe() == {"kvcache": 2, "rotating": 4, "arrays": 0, "other": 0}
 
 
 def test_chat_template_is_chatml(tiny_lfm2_dir):

@@ -1,0 +1,122 @@
+"""Sliding-window layers (mlx-lm's ``RotatingKVCache``, ``keep == 0``): read positions out, rebuild a window.
+
+A live rotating cache holds only recent positions, in one of three shapes:
+* in order: after a multi-token pass (the last ``window - 1`` positions before
+  the pass plus the whole pass, so more than ``window`` for a moment), or full
+  with its last write at the end; ``_idx == len``;
+* rotated: full (``window`` slots) after single-token steps, the oldest
+  position at slot ``_idx``; ``_idx < offset``;
+* growing: fewer than ``window`` positions so far, slots ``[0, offset)`` used
+  and spare slots after them; ``_idx == offset``.
+
+The store keeps every position's KV (window_range reads them out after each
+pass), so resuming at depth d needs only the last ``min(d, window)`` of them:
+window_cache puts them back *in order*, the shape a multi-token pass leaves.
+From there mlx-lm's next step does what it does after any prefill pass: a
+multi-token pass keeps the last ``window - 1`` positions and appends, a single
+token trims to ``window`` and rotates. A cold run reaches the same arrays, so
+a fork is exact, at any depth.
+
+Decode steps rotate the window: an answer longer than the window would drop
+positions before they are stored (answers are stored when they end). The
+caches prefixd makes (``WindowKVCache``) therefore also keep the KV of their
+single-token steps since the last multi-token pass, so the whole answer can
+be stored; a row that went through mlx-lm's batch comes back as a plain
+``RotatingKVCache`` without that record, and only what its window still
+holds can be stored then. The record costs what storing the answer costs
+(the engine reserves every token's KV for a sequence already), and never
+changes what the cache computes.
+Engine thread only: every function here makes MLX calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+
+def held_range(layer_cache: Any) -> tuple[int, int]:
+    """The absolute positions [first, end) whose KV the live window layer holds now."""
+    if layer_cache.keys is None:
+        return 0, 0
+    size, idx, offset = layer_cache.keys.shape[2], layer_cache._idx, layer_cache.offset
+    if idx == size or idx < offset:  # in order, or rotated: every slot holds a position
+        return offset - size, offset
+    return 0, offset  # growing: slots [0, offset)
+
+
+def window_range(layer_cache: Any, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+    """Keys and values of positions [start, end) from a live window layer; None if it no longer holds them all."""
+    first, last = held_range(layer_cache)
+    if not first <= start <= end <= last:
+        return _kept_range(layer_cache, start, end)
+    keys, values = layer_cache.keys, layer_cache.values
+    size, idx = keys.shape[2], layer_cache._idx
+    if idx == size or idx == last:  # slot = position - first
+        return keys[..., start - first : end - first, :], values[..., start - first : end - first, :]
+    # Rotated: position p sits at slot (idx + p - first) % size.
+    begin = (idx + start - first) % size
+    stop = begin + (end - start)
+    if stop <= size:
+        return keys[..., begin:stop, :], values[..., begin:stop, :]
+    wrap = stop - size
+    return (mx.concatenate([keys[..., begin:, :], keys[..., :wrap, :]], axis=2),
+            mx.concatenate([values[..., begin:, :], values[..., :wrap, :]], axis=2))
+
+
+def _kept_range(layer_cache: Any, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+    """Positions [start, end) from a WindowKVCache's record of its recent steps, if it holds them all."""
+    kept = getattr(layer_cache, "kept", None)
+    if not kept or not layer_cache.kept_from <= start <= end <= layer_cache.offset:
+        return None
+    keys = [k for k, _ in kept]
+    values = [v for _, v in kept]
+    if end == start:
+        return keys[0][..., :0, :], values[0][..., :0, :]
+    lo, hi = start - layer_cache.kept_from, end - layer_cache.kept_from
+    return mx.concatenate(keys[lo:hi], axis=2), mx.concatenate(values[lo:hi], axis=2)
+
+
+class WindowKVCache(RotatingKVCache):
+    """mlx-lm's RotatingKVCache (``keep == 0``) that also keeps what its window drops during decode.
+
+    ``kept`` holds one (keys, values) per position from ``kept_from`` to
+    ``offset``: the last position of the latest multi-token pass (a prefill
+    that also fed the prompt's last token stores up to the one before it),
+    then every single-token step. A multi-token pass starts it over: prefill
+    passes are stored as soon as they end, from the window itself. Every
+    other behaviour (arrays, masks, merge into a batch) is RotatingKVCache's.
+    """
+
+    def __init__(self, max_size: int):
+        super().__init__(max_size=max_size)
+        self.kept: list[tuple[mx.array, mx.array]] = []
+        self.kept_from = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.shape[2] == 1:
+            if not self.kept:
+                self.kept_from = self.offset
+            self.kept.append((keys, values))
+        else:
+            self.kept = [(keys[..., -1:, :], values[..., -1:, :])]
+            self.kept_from = self.offset + keys.shape[2] - 1
+        return super().update_and_fetch(keys, values)
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        del self.kept[max(0, self.offset - self.kept_from) :]
+        return n
+
+
+def window_cache(window_size: int, keys: mx.array | None = None, values: mx.array | None = None,
+                 depth: int = 0) -> WindowKVCache:
+    """A window layer at ``depth`` holding ``keys``/``values``: the last min(depth, window_size) positions, in order."""
+    cache = WindowKVCache(window_size)
+    if depth:
+        assert keys.shape[2] == min(depth, window_size), (keys.shape, depth, window_size)
+        cache.keys, cache.values = keys, values
+        cache.offset, cache._idx = depth, keys.shape[2]
+    return cache
