@@ -30,12 +30,12 @@ def load_bf16(request, kind: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "smollm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "smollm2"])
 def loaded(request):
     return load_bf16(request, request.param)
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3"])
 def tiny_loaded(request):
     """The tiny models only: SmolLM2 in bfloat16 takes 90 s for this test on a 2-core CPU."""
     return load_bf16(request, request.param)
