@@ -161,9 +161,9 @@ def store_progress(seq: SequenceState, store: PrefixStore | None, cache: list[An
         seq.checkpoints.clear()
         return
     if not can_capture(cache, seq.loaded.layout, seq.stored_upto):
-        # A sliding window has dropped the oldest of these positions (an answer
-        # longer than the window, decoded in mlx-lm's batch, whose rows keep no
-        # record of what rotated out): what is stored stays exact, the rest is not kept.
+        # A sliding window has dropped the oldest of these positions and kept
+        # no record of them (an answer longer than the window, after a prompt
+        # tail fed in mlx-lm's batch): what is stored stays exact, the rest is not kept.
         seq.checkpoints.clear()
         return
     segment = corrupted_if_asked(capture_segment(cache, seq.loaded.layout, seq.stored_upto, depth))

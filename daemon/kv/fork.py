@@ -25,9 +25,9 @@ def can_capture(cache: list[Any], layout: CacheLayout, start: int) -> bool:
     """Whether the live cache still holds every position from ``start`` on.
 
     Global attention layers always do; a sliding window drops positions
-    ``window`` steps after they were fed, and keeps them aside only on the
-    caches prefixd made (window_kv.WindowKVCache; a row back from mlx-lm's
-    batch is a plain RotatingKVCache), so an answer longer than the window may
+    ``window`` steps after they were fed, and keeps them aside only while its
+    record holds (window_kv.WindowKVCache: not for a row whose prompt tail
+    was fed in mlx-lm's batch), so such an answer longer than the window can
     no longer be stored whole.
     """
     return all(window_range(cache[i], start, cache[i].offset) is not None for i in layout.window_layers)

@@ -21,11 +21,13 @@ Decode steps rotate the window: an answer longer than the window would drop
 positions before they are stored (answers are stored when they end). The
 caches prefixd makes (``WindowKVCache``) therefore also keep the KV of their
 single-token steps since the last multi-token pass, so the whole answer can
-be stored; a row that went through mlx-lm's batch comes back as a plain
-``RotatingKVCache`` without that record, and only what its window still
-holds can be stored then. The record costs what storing the answer costs
-(the engine reserves every token's KV for a sequence already), and never
-changes what the cache computes.
+be stored. In mlx-lm's batch they merge into a ``BatchWindowKVCache``, which
+keeps one such record per row and hands it back when a row is extracted; a
+row whose record broke (a multi-token pass in the batch: prompt tails handed
+to it) or that was merged from a plain cache stores only what its window
+still holds. The record costs what storing the answer costs (the engine
+reserves every token's KV for a sequence already), and never changes what
+the cache computes.
 Engine thread only: every function here makes MLX calls.
 """
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 
 def held_range(layer_cache: Any) -> tuple[int, int]:
@@ -86,8 +88,9 @@ class WindowKVCache(RotatingKVCache):
     ``offset``: the last position of the latest multi-token pass (a prefill
     that also fed the prompt's last token stores up to the one before it),
     then every single-token step. A multi-token pass starts it over: prefill
-    passes are stored as soon as they end, from the window itself. Every
-    other behaviour (arrays, masks, merge into a batch) is RotatingKVCache's.
+    passes are stored as soon as they end, from the window itself. The arrays
+    and masks are RotatingKVCache's; merge makes a BatchWindowKVCache, which
+    carries the records through the batch.
     """
 
     def __init__(self, max_size: int):
@@ -109,6 +112,62 @@ class WindowKVCache(RotatingKVCache):
         n = super().trim(n)
         del self.kept[max(0, self.offset - self.kept_from) :]
         return n
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> "BatchWindowKVCache":
+        batch = BatchRotatingKVCache.merge(caches)
+        batch.__class__ = BatchWindowKVCache
+        batch.rows = [_record_of(c) for c in caches]
+        return batch
+
+
+def _record_of(cache: Any) -> tuple[int, list[tuple[mx.array, mx.array]]] | None:
+    """A row's record for the batch: (kept_from, kept), or None where there is none to carry on."""
+    if not isinstance(cache, WindowKVCache):
+        return None
+    if not cache.kept:
+        return (cache.offset, [])  # its next single-token step starts one
+    return (cache.kept_from, list(cache.kept))
+
+
+class BatchWindowKVCache(BatchRotatingKVCache):
+    """mlx-lm's BatchRotatingKVCache keeping each row's WindowKVCache record through single-token steps.
+
+    Made by WindowKVCache.merge only. ``rows[r]`` is row r's (kept_from,
+    kept) or None (no record: a plain row, or a multi-token pass broke it).
+    extract checks a record against the row's offset before handing it back.
+    """
+
+    rows: list[tuple[int, list[tuple[mx.array, mx.array]]] | None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.shape[2] == 1:
+            for r, record in enumerate(self.rows):
+                if record is not None:
+                    record[1].append((keys[r : r + 1], values[r : r + 1]))
+        else:  # prompt tails with padding: positions per row are not worth tracking here
+            self.rows = [None] * len(self.rows)
+        return super().update_and_fetch(keys, values)
+
+    def filter(self, batch_indices: Any) -> None:
+        indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        super().filter(batch_indices)
+        self.rows = [self.rows[int(i)] for i in indices]
+
+    def extend(self, other: Any) -> None:
+        others = other.rows if isinstance(other, BatchWindowKVCache) else [None] * other.offset.shape[0]
+        rows = self.rows + others
+        super().extend(other)
+        self.rows = rows
+
+    def extract(self, idx: int) -> WindowKVCache:
+        plain = super().extract(idx)
+        cache = WindowKVCache(self.max_size)
+        cache.keys, cache.values, cache.offset, cache._idx = plain.keys, plain.values, plain.offset, plain._idx
+        record = self.rows[idx]
+        if record is not None and record[1] and record[0] + len(record[1]) == cache.offset:
+            cache.kept_from, cache.kept = record[0], list(record[1])
+        return cache
 
 
 def window_cache(window_size: int, keys: mx.array | None = None, values: mx.array | None = None,

@@ -173,6 +173,28 @@ def test_sessions_decoded_together_match_solo_uncached_runs(daemon, source_token
     assert stats  # the daemon is still well after the batch
 
 
+def test_answers_decoded_together_past_the_window_are_stored_whole(daemon, source_tokens):
+    """Two sessions (fewer than the scheduler hands over as batched tails): each row keeps its record in the batch."""
+    prompts = [source_tokens[2100 + 70 * n : 2100 + 70 * n + 2 * W] for n in range(2)]
+    results: dict[int, dict] = {}
+
+    def session(n: int) -> None:
+        with Client(daemon.socket_path, timeout=180) as client:
+            results[n] = generate(client, prompts[n], max_tokens=2 * W)
+
+    threads = [threading.Thread(target=session, args=(n,)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    with Client(daemon.socket_path, timeout=180) as client:
+        solo = [generate(client, p, max_tokens=2 * W, cache=False) for p in prompts]
+    for n in range(2):
+        cache, usage = results[n]["cache"], results[n]["usage"]
+        assert results[n]["text"] == solo[n]["text"] and usage["completion_tokens"] == 2 * W
+        assert cache["stored_tokens"] >= cache["prefilled_tokens"] + 2 * W - 2, cache
+
+
 def test_window_layers_round_trip_through_the_disk_cache(tiny_gemma3_dir, tmp_path):
     """Stored with every position, window layers are plain KV in the entry files: a restart reuses them exactly."""
     from tests.e2e.test_service_disk_cache import PROMPT, running

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, 
 from prefixd.daemon.kv.fork import can_capture, capture_segment, fork_cache
 from prefixd.daemon.kv.layout import make_cache_layout
 from prefixd.daemon.kv.segments import KVSegment
-from prefixd.daemon.kv.window_kv import WindowKVCache, held_range, window_range
+from prefixd.daemon.kv.window_kv import BatchWindowKVCache, WindowKVCache, held_range, window_range
 from tests.support.tiny_models import TINY_WINDOW
 
 W = TINY_WINDOW
@@ -243,12 +243,73 @@ def test_decode_past_the_window_keeps_every_position_for_storing(gemma3, fresh):
     assert cache[i].kept_from == position + 8 and not can_capture(cache, layout, start)
 
 
-def test_a_row_back_from_the_batch_is_a_plain_window_that_stores_what_it_holds(gemma3):
+def test_rows_decoded_in_the_batch_keep_their_records_through_filter_extend_and_extract(gemma3):
+    """Merged forks decode past the window in mlx-lm's batch; each extracted row can still store its whole answer."""
     model, layout, tokens = gemma3
-    forks = [fork_cache(model, layout, [], None, 0) for _ in range(2)]
-    for n, cache in enumerate(forks):
+    depths = [W + 5, 9, 2 * W]
+    forks = []
+    for n, depth in enumerate(depths):
+        cache = fork_cache(model, layout, [], None, 0)
+        feed(model, cache, tokens[n : n + depth])
+        forks.append(cache)
+    merged = [type(layer).merge([c[i] for c in forks[:2]]) for i, layer in enumerate(forks[0])]
+    late = [type(layer).merge([forks[2][i]]) for i, layer in enumerate(forks[2])]
+    i = layout.window_layers[0]
+    assert type(merged[i]) is BatchWindowKVCache and type(late[i]) is BatchWindowKVCache
+
+    def step(batch, rows):
+        out = model(mx.array([[tokens[100 + r]] for r in rows]), cache=batch)[:, -1, :]
+        mx.eval(out)
+
+    for _ in range(W // 2):
+        step(merged, [0, 1])
+    for _ in range(3):
+        step(late, [2])
+    for a, b in zip(merged, late):  # a row joins the running batch
+        a.extend(b)
+    for _ in range(W + 6):
+        step(merged, [0, 1, 2])
+    for layer in merged:  # row 1 finishes
+        layer.filter([0, 2])
+    for _ in range(4):
+        step(merged, [0, 2])
+    steps = {0: W // 2 + W + 10, 2: 3 + W + 10}
+    for row, n in ((0, 0), (1, 2)):
+        extracted = [layer.extract(row) for layer in merged]
+        start, end = depths[n] - 1, depths[n] + steps[n]
+        assert type(extracted[i]) is WindowKVCache and extracted[i].offset == end
+        assert held_range(extracted[i])[0] > start and can_capture(extracted, layout, start)
+        segment = capture_segment(extracted, layout, start, end)
+        for k in layout.window_layers:  # where the record and the window overlap they agree bit for bit
+            window_keys, _ = window_range_of_window(extracted[k], end - W, end)
+            position = layout.attention_layers.index(k)
+            assert np.array_equal(np.array(segment.keys[position][..., -W:, :]), np.array(window_keys))
+        solo = fork_cache(model, layout, [], None, 0)  # the same row decoded alone: the same KV, up to rounding
+        feed(model, solo, tokens[n : n + depths[n]])
+        for _ in range(steps[n]):
+            feed(model, solo, [tokens[100 + n]])
+        alone = capture_segment(solo, layout, start, end)
+        for a, b in zip(alone.keys + alone.values, segment.keys + segment.values):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+
+
+def window_range_of_window(layer_cache, start, end):
+    """Keys/values of [start, end) read from the live window alone (not from a record)."""
+    kept, layer_cache.kept = layer_cache.kept, []
+    try:
+        return window_range(layer_cache, start, end)
+    finally:
+        layer_cache.kept = kept
+
+
+def test_a_row_merged_from_a_plain_cache_stores_only_what_its_window_holds(gemma3):
+    model, layout, tokens = gemma3
+    plains = []
+    for n in range(2):
+        cache = make_prompt_cache(model)
         feed(model, cache, tokens[n : n + W])
-    merged = [type(layer).merge([c[i] for c in forks]) for i, layer in enumerate(forks[0])]
+        plains.append(cache)
+    merged = [type(layer).merge([c[i] for c in plains]) for i, layer in enumerate(plains[0])]
     for step in range(W + 2):
         mx.eval(model(mx.array([[tokens[80 + step]], [tokens[90 + step]]]), cache=merged)[:, -1, :])
     row = [layer.extract(0) for layer in merged]
