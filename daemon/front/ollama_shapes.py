@@ -56,21 +56,22 @@ def now_rfc3339() -> str:
 
 def chat_request(body: dict[str, Any], default_model: str) -> OllamaRequest:
     reject_unknown(body, CHAT_FIELDS)
-    _refuse_features(body, ("tools", "format", "think"))
+    _refuse_features(body, ("tools", "think"))
     messages = body.get("messages")
     if messages is None or messages == []:
         return _load_only(body, default_model)  # Ollama's way to load a model: a chat with no messages
     if not isinstance(messages, list):
         raise invalid("'messages' must be an array of {role, content} objects", "messages")
     parsed = [_chat_message(i, message) for i, message in enumerate(messages)]
-    return _with_options(body, default_model, {"messages": parsed})
+    return _with_options(body, default_model, {"messages": parsed, **_format_constraint(body.get("format"))})
 
 
 def generate_request(body: dict[str, Any], default_model: str,
                      fim_prompt: Callable[[str, str], tuple[str, tuple[str, ...]]] | None = None) -> OllamaRequest:
     """``fim_prompt(prefix, suffix) -> (prompt text, stop strings)``: the model's FIM format, when ``suffix`` is given."""
     reject_unknown(body, GENERATE_FIELDS)
-    _refuse_features(body, ("images", "format", "think", "template", "context"))
+    _refuse_features(body, ("images", "think", "template", "context"))
+    constrained = _format_constraint(body.get("format"))
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise invalid("'prompt' must be a string", "prompt")
@@ -85,19 +86,29 @@ def generate_request(body: dict[str, Any], default_model: str,
             raise invalid("'system' cannot go with 'suffix': a fill-in-the-middle prompt has no system part", "system")
         assert fim_prompt is not None, "the caller resolves the model's FIM format when a suffix is given"
         text, stops = fim_prompt(prompt or "", suffix)
-        return _with_options(body, default_model, {"prompt": text}, extra_stops=stops)
+        return _with_options(body, default_model, {"prompt": text, **constrained}, extra_stops=stops)
     if raw:
         if system:
             raise invalid("'system' cannot go with 'raw': a raw prompt is sent as it is", "system")
-        return _with_options(body, default_model, {"prompt": prompt})
+        return _with_options(body, default_model, {"prompt": prompt, **constrained})
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return _with_options(body, default_model, {"messages": messages})
+    return _with_options(body, default_model, {"messages": messages, **constrained})
+
+
+def _format_constraint(value: Any) -> dict[str, Any]:
+    """Ollama's ``format``: "json" (any JSON value: prefixd asks for an object) or a JSON schema, as generate params."""
+    if value in (None, ""):
+        return {}
+    if value == "json":
+        return {"constraint": {"json_object": True}}
+    if isinstance(value, dict):
+        return {"constraint": {"json_schema": value}}
+    raise invalid("'format' must be \"json\" or a JSON schema object", "format")
 
 
 def _refuse_features(body: dict[str, Any], names: tuple[str, ...]) -> None:
     """Fields whose features prefixd does not have yet; their empty values ("", [], false) mean "off" and pass."""
-    reasons = {"tools": "tool calls are not implemented yet", "format": "structured output is not implemented yet",
-               "think": "thinking mode is not supported", "images": "images are not supported (text models only)",
+    reasons = {"tools": "tool calls are not implemented yet", "think": "thinking mode is not supported", "images": "images are not supported (text models only)",
                "template": "a custom prompt template is not supported; prefixd uses the model's chat template (or raw=true)",
                "context": "the deprecated 'context' token list is not supported; send the conversation to /api/chat "
                           "(prefixd's prefix cache makes resending it cheap)"}

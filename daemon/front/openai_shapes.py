@@ -8,8 +8,9 @@ alike); replies carry prefixd's ``cache`` map as ``prefixd_cache`` and its
 
 Fields prefixd cannot honour change the answer, so they are refused (n > 1,
 logprobs). On /v1/chat/completions, fields that only tune what OpenAI's
-servers do (user, penalties, tools, response_format, ...) are still ignored,
-until tool calls and structured output land; /v1/completions refuses every
+servers do (user, penalties, ...) are ignored; ``response_format`` becomes a
+constraint (constrained decoding), ``tools`` are refused until tool calls are
+parsed over HTTP; /v1/completions refuses every
 field it does not honour, naming it (``user`` is accepted: it only labels
 the caller). ``suffix`` reaches it as a FIM prompt built by ``infill_api``.
 Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
@@ -66,7 +67,46 @@ def chat_request(body: Any) -> m.GenerateParams:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
-    return m.parse_generate({**_common(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]})
+    _refuse_tools(body)
+    params = {**_common(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]}
+    constraint = response_format_constraint(body.get("response_format"))
+    if constraint is not None:
+        params["constraint"] = constraint
+    return m.parse_generate(params)
+
+
+def response_format_constraint(response_format: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as a generate's ``constraint`` map (None for plain text).
+
+    ``json_object``: any JSON object; ``json_schema``: the schema, always
+    enforced (constrained decoding makes every answer match it, so
+    ``strict: false`` gets the same guarantee).
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _invalid("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
+        return {"json_schema": schema}
+    raise _invalid("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"", "response_format")
+
+
+def _refuse_tools(body: dict[str, Any]) -> None:
+    """Tool calls over HTTP are not wired yet: a request that sends tools is refused, never answered without them."""
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _invalid(f"'{name}' is not supported yet on /v1/chat/completions (tool calls are not parsed); "
+                           "use response_format json_schema to get structured answers", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise _invalid(f"'{name}' is not supported yet on /v1/chat/completions", name)
 
 
 def _chat_message(index: int, message: Any) -> dict[str, str]:

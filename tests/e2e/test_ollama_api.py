@@ -100,7 +100,6 @@ def test_version_and_load_requests(daemon, client):
     ({"options": {"top_k": 40, "temperature": 0.7}}, "options.top_k"),
     ({"options": {"num_predict": 0}}, "options.num_predict"),
     ({"options": {"no_such_option": 1}}, "options.no_such_option"),
-    ({"format": "json"}, "format"),
     ({"keep_alive": 0}, "keep_alive"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}}]}, "tools"),
 ])
