@@ -52,6 +52,7 @@ class PromptOptions(TypedDict, total=False):
     tokens: list[int]  # token ids, sent as they are
     model: str  # a model name from models(); the daemon's default when omitted
     add_generation_prompt: bool  # messages only; default true
+    tools: list[dict[str, Any]]  # messages only: OpenAI-shaped tools for the chat template
 
 
 class GenerateOptions(PromptOptions, total=False):
@@ -64,6 +65,8 @@ class GenerateOptions(PromptOptions, total=False):
     stop: str | list[str]
     session: str
     cache: bool | dict[str, bool]  # {use, store, verify}; False means neither use nor store (a cold run)
+    constraint: dict[str, Any]  # {json_schema: {...}} | {json_object: True} | {regex: "..."} | {lark: "..."}
+    tool_choice: str | dict[str, Any]  # "auto" (default) or "none"
 
 
 def prompt_params(prompt: str | None = None, **options: Unpack[PromptOptions]) -> dict[str, Any]:

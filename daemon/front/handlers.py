@@ -31,7 +31,8 @@ JobObserver = Callable[[GenerateJob, "dict | RpcError"], None]
 
 log = structlog.get_logger("prefixd.request")
 DAEMON_VERSION = "0.1.0"
-CAPABILITIES = ("stream", "cancel", "prefix-cache", "messages", "tokens", "cache.warm", "cache.pin")
+CAPABILITIES = ("stream", "cancel", "prefix-cache", "messages", "tokens", "cache.warm", "cache.pin", "cache.verify",
+                "constraint", "tools")
 
 
 class Handlers:

@@ -223,3 +223,12 @@ def test_smollm2_answers_a_schema_and_a_json_object(smollm2_daemon):
     assert anything["finish_reason"] == "stop", anything["text"]
     assert isinstance(json.loads(anything["text"]), dict)
     assert again["text"] == reply["text"] and again["cache"]["hit"] == "exact"
+
+
+def test_the_python_client_sends_a_constraint_and_hello_lists_it(shared_daemon):
+    from prefixd.client import Client
+
+    with Client(shared_daemon.socket_path, timeout=60) as client:
+        assert {"constraint", "cache.verify", "tools"} <= set(client.hello()["capabilities"])
+        reply = client.generate("Digits:", max_tokens=12, constraint={"regex": "[0-9]{3}-[0-9]{2}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{2}", reply["text"]) and reply["finish_reason"] == "stop"
