@@ -18,7 +18,7 @@ _BLAS = preload_blas()
 
 import pytest  # noqa: E402
 
-from tests.support.tiny_models import ensure_tiny_model  # noqa: E402
+from tests.support.tiny_models import ensure_tiny_model, ensure_tools_model  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -56,6 +56,12 @@ def tiny_lfm2_dir(tiny_models_root) -> Path:
 def tiny_gemma3_dir(tiny_models_root) -> Path:
     """A random-weight Gemma 3 (sliding-window RotatingKVCache layers, window 32, + global KVCache layers)."""
     return ensure_tiny_model("gemma3", tiny_models_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_dir(tiny_llama_dir, tiny_models_root) -> Path:
+    """The tiny llama with <tool_call>/</tool_call> special tokens and a Hermes-style tools template (json_tools)."""
+    return ensure_tools_model(tiny_llama_dir, tiny_models_root)
 
 
 @pytest.fixture(scope="session")

@@ -289,3 +289,92 @@ def ensure_tiny_model(kind: str, root: Path, seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# -- a variant that calls tools ---------------------------------------------------------------
+
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+TOOLS_INFO_FILE = "tools.json"  # written last: marks a complete llama-tools build
+
+# Qwen2.5's Hermes-style template, cut down: tools in the system turn, an assistant turn's calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results as user turns. mlx-lm infers the
+# json_tools parser from "<tool_call>" and "tool_call.name" in it.
+HERMES_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' }}{{ tool | tojson }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '"
+    " + '<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": '"
+    " + '<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message['content'] or not loop.first %}{{ '\n' }}{%- endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{ tool_call.arguments | tojson }}{{ '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def ensure_tools_model(tiny_llama_dir: Path, root: Path) -> Path:
+    """root/llama-tools: the tiny llama with <tool_call>/</tool_call> special tokens and a Hermes tools template.
+
+    The other tiny models stay as they are (their suites do not shift). Built
+    aside, then renamed into place, like ensure_tiny_model.
+    """
+    target = Path(root) / "llama-tools"
+    if (target / TOOLS_INFO_FILE).is_file():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=".llama-tools-", dir=root))
+    try:
+        build = tmp / "llama-tools"
+        shutil.copytree(tiny_llama_dir, build)
+        add_special_tokens(build, TOOL_CALL_TOKENS, seed=2, chat_template=HERMES_TOOLS_TEMPLATE)
+        _write_json(build / TOOLS_INFO_FILE, {"tokens": TOOL_CALL_TOKENS, "parser": "json_tools"})
+        try:
+            os.rename(build, target)
+        except OSError:
+            if not (target / TOOLS_INFO_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def add_special_tokens(model_dir: Path, tokens: list[str], seed: int, chat_template: str | None = None) -> None:
+    """Add ``tokens`` as special tokens (ids after the vocabulary), growing the tied embedding under ``seed``."""
+    import mlx.core as mx
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in tokens], special_tokens=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    embedding = weights["model.embed_tokens.weight"]
+    grown = len(tokenizer) - embedding.shape[0]
+    mx.random.seed(seed)
+    extra = 0.02 * mx.random.normal((grown, embedding.shape[1]), dtype=embedding.dtype)
+    weights["model.embed_tokens.weight"] = mx.concatenate([embedding, extra])
+    mx.save_safetensors(str(model_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config["vocab_size"] = len(tokenizer)
+    _write_json(model_dir / "config.json", config)

@@ -158,3 +158,27 @@ def test_ensure_reuses_and_repairs(tmp_path):
     before = _digests(build_tiny_model("llama", tmp_path / "ref"))
     assert _digests(ensure_tiny_model("llama", tmp_path)) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_the_tools_variant_calls_tools_in_the_hermes_format(tiny_tools_dir, tiny_llama_dir):
+    """mlx-lm infers json_tools from its template; a call it renders reads back as that call; the llama is untouched."""
+    import mlx_lm
+
+    from prefixd.daemon.models.tool_call_format import tool_call_format
+
+    _, tok = mlx_lm.load(str(tiny_tools_dir))
+    fmt = tool_call_format(tok)
+    assert (fmt.family, fmt.start, fmt.end) == ("json_tools", "<tool_call>", "</tool_call>")
+    ids = tok.encode("<tool_call></tool_call>", add_special_tokens=False)
+    assert len(ids) == 2 and ids[0] >= json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    chat = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather"' in text.split("<tools>")[1] and "<tool_response>\nsunny\n</tool_response>" in text
+    answer = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert answer == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert [(c.name, c.arguments) for c in fmt.split(answer)[1]] == [("get_weather", {"city": "Paris"})]
+    _, plain = mlx_lm.load(str(tiny_llama_dir))
+    assert tool_call_format(plain) is None
