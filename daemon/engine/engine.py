@@ -282,7 +282,7 @@ class Engine:
         self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         for spec in self.settings.model_specs:
-            loaded = load_model(spec, dtype=self.settings.dtype)
+            loaded = load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention)
             if loaded.name in self.models:
                 loaded.name = loaded.encoder.model_name = f"{loaded.name}-{len(self.models)}"
             self.models[loaded.name] = loaded
@@ -295,6 +295,7 @@ class Engine:
                 dtype=loaded.dtype,
                 hybrid=loaded.layout.is_hybrid,
                 cache_layers=loaded.layout.describe(),
+                attention=loaded.attention,
                 fingerprint=loaded.fingerprint,
                 process_peak_rss_bytes=peak_rss_bytes(),
             )

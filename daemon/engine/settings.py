@@ -18,6 +18,7 @@ class EngineSettings:
     max_active: int  # sequences prefilling or decoding at once
     shadow_rate: float = 0.0  # share of greedy cache hits re-run without the cache when idle (shadow_checker.py)
     shadow_action: str = "log"  # on a mismatch: log, or stop-reuse (that checkpoint kind, for that model)
+    attention: str = "auto"  # short multi-token passes: auto, fused or matmul (models/tail_attention.py)
 
 
 CPU_PREFILL_CHUNK = 512

@@ -20,6 +20,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from ...protocol.methods import PromptInput
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
+from . import tail_attention
 from .prompt_encoding import EncodedPrompt, PromptEncoder
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 20
@@ -52,6 +53,7 @@ class LoadedModel:
     state_bytes_per_sequence: int = 0  # conv/SSM state of a hybrid model, per sequence
     prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
 
     def describe(self, default: bool) -> dict[str, Any]:
         return {
@@ -63,6 +65,7 @@ class LoadedModel:
             "hybrid": self.layout.is_hybrid,
             "dtype": self.dtype,
             "cache_layers": self.layout.describe(),
+            "attention": self.attention,
         }
 
     def encode(self, prompt: PromptInput, generates: bool | None = True) -> EncodedPrompt:
@@ -79,8 +82,11 @@ class LoadedModel:
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
 
 
-def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> LoadedModel:
-    """Load a local MLX model directory, or a Hugging Face id already in the local cache."""
+def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto") -> LoadedModel:
+    """Load a local MLX model directory, or a Hugging Face id already in the local cache.
+
+    ``attention``: how short multi-token passes attend (tail_attention.py).
+    """
     path = resolve_model_path(spec)
     started = time.perf_counter()
     model, tokenizer = mlx_lm_load(str(path))
@@ -94,6 +100,7 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> Loade
     first_param = next(v for _, v in _flatten(model.parameters()))
     layout = make_cache_layout(model)
     refuse_unbatchable(model, path)
+    attention = tail_attention.install(model, attention)
     kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
@@ -110,6 +117,7 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto") -> Loade
         load_seconds=load_seconds,
         weight_bytes=weight_bytes,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        attention=attention,
     )
 
 

@@ -173,6 +173,7 @@ OPTIONS: dict[str, Option] = {
         Option("max_active", integer(1), 16),
         Option("shadow_rate", fraction, 0.05),
         Option("shadow_action", choice("log", "stop-reuse"), "log"),
+        Option("attention", choice("auto", "fused", "matmul"), "auto", "auto: matmul for short multi-token passes on a CUDA GPU, fused elsewhere"),
         Option("max_queued", integer(1), 256),
         Option("max_queued_per_client", integer(1), 64),
         Option("grace_seconds", number(0), 10.0),

@@ -1,0 +1,122 @@
+"""Attention for short multi-token passes (a cache hit's tail) without a per-shape build on CUDA.
+
+Why: MLX's CUDA backend runs a multi-token ``mx.fast.scaled_dot_product_attention``
+through cuDNN, and builds a cuDNN graph for every new (query length, key
+length, strides) it meets, caching it by exactly those shapes
+(mlx/backend/cuda/scaled_dot_product_attention.cpp: ``build_sdpa_cache_key``).
+A build costs 50-130 ms on an H200 (bench/shape_probe.py, issue 13). A daemon
+serving cache hits meets a new pair on nearly every request: the next chat turn
+or the next editor edit is a tail of a new length at a new cache depth. The
+build then costs more than the prefill the cache saved.
+
+A tail is short, so the plain formulation (two matmuls and a softmax, the same
+one MLX falls back to where it has no fused kernel) is cheap there and has no
+per-shape build: cuBLAS picks a kernel per shape in microseconds. Long passes
+(a cold prompt's full chunks) keep the fused kernel: their score matrix would
+be large, and their shapes repeat (chunk after chunk of the same length).
+
+Decode steps (one query token) are left alone: MLX's vector kernel and its
+cuDNN decode path are built once per 256 keys, not per length.
+
+The policy is process-wide because mlx-lm's model modules bind
+``scaled_dot_product_attention`` by name at import; ``install`` rebinds that
+name in the modules a loaded model's layers come from.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+
+MODES = ("auto", "fused", "matmul")
+
+# Above this many attention scores (batch x heads x queries x keys) a pass keeps
+# the fused kernel: 64M float32 scores are 256 MiB, and such a pass is long
+# enough that a graph build is a small part of it.
+MAX_MATMUL_SCORES = 1 << 26
+
+_state = {"mode": "fused", "matmul_passes": 0}
+
+
+def resolve_mode(mode: str) -> str:
+    """``auto``: the matmul form for short tails on a CUDA GPU (where the per-shape build is), fused elsewhere."""
+    if mode not in MODES:
+        raise ValueError(f"attention mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    on_cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
+    return "matmul" if on_cuda else "fused"
+
+
+def install(model: Any, mode: str) -> str:
+    """Route the model's short multi-token attention by ``mode``; returns the mode in effect."""
+    from mlx_lm.models import base
+
+    _state["mode"] = resolve_mode(mode)
+    module_names = {type(layer).__module__ for layer in _submodules(model)}
+    for name in module_names:
+        module = sys.modules.get(name)
+        bound = getattr(module, "scaled_dot_product_attention", None)
+        if bound is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = routed_attention
+    return _state["mode"]
+
+
+def matmul_passes() -> int:
+    """How many attention calls took the matmul form (a figure for benchmarks and tests)."""
+    return _state["matmul_passes"]
+
+
+def _submodules(model: Any) -> list[Any]:
+    modules = getattr(model, "modules", None)
+    return list(modules()) if callable(modules) else [model]
+
+
+def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """mlx-lm's ``scaled_dot_product_attention`` with short multi-token passes in the matmul form."""
+    from mlx_lm.models import base
+
+    if _takes_matmul(queries, keys, cache, sinks):
+        _state["matmul_passes"] += 1
+        return matmul_attention(queries, keys, values, scale, mask)
+    return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _takes_matmul(queries, keys, cache, sinks) -> bool:
+    if _state["mode"] != "matmul" or sinks is not None or hasattr(cache, "bits"):
+        return False
+    batch, heads, num_queries, _ = queries.shape
+    if num_queries < 2:
+        return False
+    return batch * heads * num_queries * keys.shape[-2] <= MAX_MATMUL_SCORES
+
+
+def matmul_attention(queries, keys, values, scale: float, mask) -> mx.array:
+    """softmax(q k^T * scale + mask) v, grouped-query heads included; a "causal" mask is bottom-right aligned."""
+    batch, num_heads, num_queries, head_dim = queries.shape
+    num_kv_heads = keys.shape[-3]
+    repeats = num_heads // num_kv_heads
+    queries = queries * scale
+    if repeats > 1:
+        queries = queries.reshape(batch, num_kv_heads, repeats, num_queries, head_dim)
+        keys = mx.expand_dims(keys, -3)
+        values = mx.expand_dims(values, -3)
+    scores = queries @ keys.swapaxes(-1, -2)
+    if mask is not None:
+        if isinstance(mask, str):
+            num_keys = scores.shape[-1]
+            query_positions = mx.arange(num_keys - num_queries, num_keys)
+            mask = query_positions[:, None] >= mx.arange(num_keys)[None]
+        elif repeats > 1 and mask.ndim == 4:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = weights @ values
+    if repeats > 1:
+        out = out.reshape(batch, num_heads, num_queries, -1)
+    return out

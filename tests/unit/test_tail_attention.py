@@ -1,0 +1,79 @@
+"""The matmul form of attention for short tails equals MLX's fused one, and the router sends only short passes to it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from prefixd.daemon.models import tail_attention
+from prefixd.daemon.models.tail_attention import matmul_attention, resolve_mode, routed_attention
+
+
+def _qkv(batch=1, heads=8, kv_heads=2, queries=7, keys=40, dim=16, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((batch, heads, queries, dim))
+    k = mx.random.normal((batch, kv_heads, keys, dim))
+    v = mx.random.normal((batch, kv_heads, keys, dim))
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_causal_tail_on_a_longer_cache_matches_the_fused_kernel(heads, kv_heads):
+    q, k, v = _qkv(heads=heads, kv_heads=kv_heads)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert mx.allclose(matmul_attention(q, k, v, 0.25, "causal"), fused, atol=1e-5).item()
+
+
+def test_boolean_and_additive_masks_with_a_batch_match_the_fused_kernel():
+    q, k, v = _qkv(batch=3, heads=8, kv_heads=4, queries=5, keys=12)
+    # left padding as mlx-lm's batch makes it: row b ignores its first b keys
+    allowed = mx.arange(12)[None, None, None, :] >= mx.arange(3)[:, None, None, None]
+    allowed = allowed & (mx.arange(7, 12)[None, None, :, None] >= mx.arange(12)[None, None, None, :])
+    for mask in (allowed, mx.where(allowed, 0.0, -1e9).astype(mx.float32)):
+        fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
+        assert mx.allclose(matmul_attention(q, k, v, 0.5, mask), fused, atol=1e-5).item()
+
+
+def test_no_mask_matches_the_fused_kernel():
+    q, k, v = _qkv(queries=3, keys=3)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=None)
+    assert mx.allclose(matmul_attention(q, k, v, 0.3, None), fused, atol=1e-5).item()
+
+
+class _QuantizedCache:
+    bits, group_size = 8, 64
+
+
+def test_router_takes_the_matmul_form_only_for_short_multi_token_passes(monkeypatch):
+    monkeypatch.setitem(tail_attention._state, "mode", "matmul")
+    calls = []
+    monkeypatch.setattr(tail_attention, "matmul_attention", lambda *a: calls.append(a[0].shape) or a[0])
+    q, k, v = _qkv(queries=7, keys=40)
+    routed_attention(q, k, v, None, 0.25, "causal")
+    assert calls == [q.shape]
+
+    one_token = q[:, :, :1]
+    routed_attention(one_token, k, v, None, 0.25, None)  # a decode step keeps the vector kernel
+    monkeypatch.setattr(tail_attention, "MAX_MATMUL_SCORES", 8 * 7 * 39)
+    routed_attention(q, k, v, None, 0.25, "causal")  # too many scores: fused
+    assert len(calls) == 1
+
+    monkeypatch.setattr(tail_attention, "MAX_MATMUL_SCORES", 1 << 26)
+    with pytest.raises(Exception):  # a quantized cache goes to mlx-lm's own quantized path (these keys are not quantized)
+        routed_attention(q, k, v, _QuantizedCache(), 0.25, "causal")
+    assert len(calls) == 1
+
+
+def test_fused_mode_never_takes_the_matmul_form(monkeypatch):
+    monkeypatch.setitem(tail_attention._state, "mode", "fused")
+    monkeypatch.setattr(tail_attention, "matmul_attention", lambda *a: pytest.fail("matmul form used"))
+    q, k, v = _qkv()
+    out = routed_attention(q, k, v, None, 0.25, "causal")
+    assert out.shape == q.shape
+
+
+def test_modes():
+    assert resolve_mode("fused") == "fused" and resolve_mode("matmul") == "matmul"
+    assert resolve_mode("auto") == ("matmul" if mx.default_device().type == mx.gpu and not mx.metal.is_available() else "fused")
+    with pytest.raises(ValueError, match="auto, fused, matmul"):
+        resolve_mode("flash")
