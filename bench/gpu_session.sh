@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU figure of one session, in one device call (see ../shared/gpu/README.md for the set-up):
 #   source .gpu/b/install.sh && bash bench/gpu_session.sh STEP...    (KIT: where install.sh and floor.py are, default .gpu/b)
-# Steps: floor, batch, probe, quick, full, chunk512, concurrency, lfm2-quick, lfm2-full.
+# Steps: floor, batch, probe, quick, full, chunk512, concurrency, lfm2-quick, lfm2-full; and
+# quick-fused, full-fused, lfm2-quick-fused: the same with --attention fused (MLX's own attention for
+# tails, to compare with the default matmul form on CUDA: models/tail_attention.py).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -33,6 +35,9 @@ for s in "$@"; do
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;
     concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick ;;
     lfm2-quick) step lfm2-quick python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick" ;;
+    quick-fused) PREFIXD_ATTENTION=fused step quick-fused python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-fused" ;;
+    full-fused) PREFIXD_ATTENTION=fused step full-fused python3 bench/compare.py --model /tmp/q06 --out "$out/full-fused" ;;
+    lfm2-quick-fused) PREFIXD_ATTENTION=fused step lfm2-quick-fused python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick-fused" ;;
     lfm2-full) step lfm2-full python3 bench/compare.py --model /tmp/lfm2 --out "$out/lfm2-full" ;;
     *) echo "unknown step $s" ;;
   esac

@@ -94,7 +94,9 @@ class PrefixdPeer(_Peer):
     def __init__(self, model_dir: Path, workdir: Path):
         self.daemon = Daemon(model_dir, workdir)
         chunk = os.environ.get("PREFIXD_PREFILL_CHUNK", "by device: 512 on a CPU, 2048 on a GPU")
-        self.settings = f"defaults (--dtype auto: float32 on a CPU, as stored on a GPU; --prefill-chunk {chunk}); OpenBLAS loaded by the daemon itself on a CPU"
+        attention = os.environ.get("PREFIXD_ATTENTION", "auto: matmul form for short tails on CUDA, fused elsewhere")
+        self.settings = (f"defaults (--dtype auto: float32 on a CPU, as stored on a GPU; --prefill-chunk {chunk}; "
+                         f"--attention {attention}); OpenBLAS loaded by the daemon itself on a CPU")
 
     def start(self) -> None:
         self.daemon.start()

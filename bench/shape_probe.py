@@ -18,6 +18,10 @@ tokens (a fork of one prefilled cache, as prefixd makes it):
 5. tails of new lengths with an explicit boolean mask instead of mlx-lm's
    "causal" (which takes MLX's fused attention for a multi-token pass): does
    the first-pass cost belong to that kernel?
+6. tails of new lengths at new depths through prefixd's matmul form of
+   attention (daemon/models/tail_attention.py, the daemon's default on CUDA):
+   first pass, repeat, and the largest logit difference against MLX's fused
+   attention (on CUDA, MLX builds a cuDNN graph per new (query, key) shape).
 Prints a table per part; timings are medians where repeated.
 """
 
@@ -149,6 +153,25 @@ def main() -> int:
     finally:
         cache_module.KVCache.make_mask = original
     out["array_mask"] = rows
+
+    print("\n6. tails of new lengths at new depths, matmul form of attention (ms): first, repeat, fused first")
+    from prefixd.daemon.models import tail_attention
+
+    rows = []
+    for n, extra in ((43, 5), (71, 9), (103, 13), (157, 21), (251, 29)):
+        depth_base = prefill(args.context + extra)
+        tail_attention.install(model, "matmul")
+        first, logits_matmul = timed_pass(model, depth_base, tail[:n])
+        repeat = statistics.median(timed_pass(model, depth_base, tail[:n])[0] for _ in range(3))
+        tail_attention.install(model, "fused")
+        fused_first, logits_fused = timed_pass(model, depth_base, tail[:n])
+        diff = float(mx.max(mx.abs(logits_matmul.astype(mx.float32) - logits_fused.astype(mx.float32))))
+        same_argmax = int(mx.argmax(logits_matmul)) == int(mx.argmax(logits_fused))
+        rows.append({"tail": n, "depth": args.context + extra, "first_ms": first, "repeat_ms": repeat,
+                     "fused_first_ms": fused_first, "max_abs_diff_vs_fused": diff, "same_argmax": same_argmax})
+        print(f"   tail {n:4d} at {args.context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}  "
+              f"fused first {fused_first:7.1f}  max |diff| {diff:.4g}  same argmax {same_argmax}")
+    out["matmul_form"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
