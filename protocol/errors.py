@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     NOT_CACHED = -32007  # cache.pin of a prompt that is not in the store
     PIN_BUDGET_EXCEEDED = -32008
     ENGINE_DEAD = -32009  # the engine thread failed beyond recovery; the daemon is exiting (retry after its restart)
+    MODEL_LOAD_FAILED = -32010  # a configured model could not be loaded (or can never fit --max-model-memory)
 
 
 class RpcError(Exception):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, RpcError
+from .keep_alive import parse_keep_alive
 from .tools import ToolChoice, parse_message_tool_fields, parse_tool_choice, parse_tools
 
 PROTOCOL_VERSION = 1
@@ -186,10 +187,12 @@ class GenerateParams:
     cache: CacheOptions = field(default_factory=CacheOptions)
     constraint: Constraint | None = None  # the answer's grammar (constrained decoding)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: for good); None: the daemon's
 
 
 _PROMPT_KEYS = {"prompt", "messages", "tokens", "add_generation_prompt", "model", "session", "cache", "tools"}
-_GENERATE_KEYS = _PROMPT_KEYS | {"max_tokens", "temperature", "top_p", "seed", "stop", "stream", "constraint", "tool_choice"}
+_GENERATE_KEYS = _PROMPT_KEYS | {"max_tokens", "temperature", "top_p", "seed", "stop", "stream", "constraint", "tool_choice",
+                                 "keep_alive"}
 
 
 def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
@@ -290,7 +293,17 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
         cache=cache,
         constraint=constraint,
         tool_choice=tool_choice,
+        keep_alive=_keep_alive(params.get("keep_alive")),
     )
+
+
+def _keep_alive(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise _invalid(f"'keep_alive' {exc}") from None
 
 
 def parse_prompt_request(params: dict[str, Any], extra: set[str] = frozenset()) -> tuple[PromptInput, str | None]:
