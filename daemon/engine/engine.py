@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -282,7 +283,7 @@ class Engine:
         self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         for spec in self.settings.model_specs:
-            loaded = load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention)
+            loaded = self.load_one_model(spec)
             if loaded.name in self.models:
                 loaded.name = loaded.encoder.model_name = f"{loaded.name}-{len(self.models)}"
             self.models[loaded.name] = loaded
@@ -308,6 +309,7 @@ class Engine:
             max_bytes=self.settings.cache_bytes,
             max_nodes=self.settings.cache_nodes,
             max_pinned_bytes=self.settings.pinned_bytes,
+            clock=self.store_clock,
             recompute_seconds=self._recompute_seconds,
         )
         self.scheduler = Scheduler(
@@ -320,9 +322,21 @@ class Engine:
             shadow_action=self.settings.shadow_action,
         )
 
-    def _recompute_seconds(self, start_depth: int, num_tokens: int) -> float:
+    def load_one_model(self, spec: str) -> LoadedModel:
+        """One model, whole. Ranks of a distributed daemon each load their shard (distributed/lockstep.py)."""
+        return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention)
+
+    def store_clock(self) -> float:
+        """The prefix store's clock (its recency order). Ranks in lock-step all read rank 0's."""
+        return time.monotonic()
+
+    def prefill_rate(self) -> float:
+        """Tokens per second the store's eviction costs assume. Ranks in lock-step all take rank 0's."""
         rates = [m.prefill_tokens_per_s for m in self.models.values() if m.prefill_tokens_per_s]
-        rate = min(rates) if rates else 200.0
+        return min(rates) if rates else 200.0
+
+    def _recompute_seconds(self, start_depth: int, num_tokens: int) -> float:
+        rate = self.prefill_rate()
         # Attention makes later tokens dearer to recompute than early ones.
         return num_tokens / rate * (1.0 + (start_depth + num_tokens / 2) / 4096)
 

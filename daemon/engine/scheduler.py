@@ -66,6 +66,8 @@ class Scheduler:
         self._prefill_s = self._decode_s = 0.0
         self.side_reserved_bytes = 0  # KV that is no running request's: the shadow check's run
         self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=self.reserve_side)
+        # A decision taken from this process's clock; ranks in lock-step all take rank 0's (distributed/).
+        self.agree: Callable[[bool], bool] = lambda decision: decision
 
     # -- admission --------------------------------------------------------------------
 
@@ -220,7 +222,7 @@ class Scheduler:
             if len(decoder):
                 self._decode_step(decoder)
         self._decode_s += time.monotonic() - started
-        if decoding and self._prefill_s > self._decode_s:
+        if decoding and self.agree(self._prefill_s > self._decode_s):
             return
         # Tails handed to the batch get their first tokens from the next
         # decode steps: run those before another (long) chunk.

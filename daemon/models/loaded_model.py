@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx_lm
@@ -82,14 +82,17 @@ class LoadedModel:
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
 
 
-def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto") -> LoadedModel:
+def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto",
+               load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
     ``attention``: how short multi-token passes attend (tail_attention.py).
+    ``load_weights``: path -> (model, tokenizer); ranks of a distributed daemon
+    each load their shard (distributed/sharded_loading.py).
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
-    model, tokenizer = mlx_lm_load(str(path))
+    model, tokenizer = load_weights(str(path))
     if dtype != "auto":
         model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
