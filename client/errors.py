@@ -88,6 +88,12 @@ class EngineDead(PrefixdError):
     code_enum = ErrorCode.ENGINE_DEAD
 
 
+class ModelLoadFailed(PrefixdError):
+    """A configured model could not be loaded (its files, or more than --max-model-memory); the daemon serves on."""
+
+    code_enum = ErrorCode.MODEL_LOAD_FAILED
+
+
 _BY_CODE: dict[int, type[PrefixdError]] = {
     int(cls.code_enum): cls for cls in PrefixdError.__subclasses__() if cls.code_enum is not None
 }
