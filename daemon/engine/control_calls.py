@@ -24,11 +24,11 @@ class ControlCalls:
 
     def pin_tokens(self, model: str, tokens: list[int], pinned: bool) -> dict[str, Any]:
         """Pin (or unpin) a prompt's stored prefix: the store keeps a prompt's first len-1 tokens."""
-        loaded = self.engine.model_for(model)
+        fingerprint = self.engine.entry_for(model).fingerprint  # the store keeps a model's entries loaded or not
         tokens = tokens[:-1] if len(tokens) > 1 else tokens  # the last token always runs
         store = self.engine.store
         try:
-            result = store.pin(loaded.fingerprint, tokens) if pinned else store.unpin(loaded.fingerprint, tokens)
+            result = store.pin(fingerprint, tokens) if pinned else store.unpin(fingerprint, tokens)
         except NotStored as exc:
             hint = "send it with cache.warm first" if pinned else "it is not pinned"
             raise RpcError(ErrorCode.NOT_CACHED, f"{exc}; {hint}") from None
@@ -39,7 +39,7 @@ class ControlCalls:
     def stats(self) -> dict[str, Any]:
         engine = self.engine
         store_stats = engine.store.stats()
-        names = {m.fingerprint: name for name, m in engine.models.items()}
+        names = {entry.fingerprint: name for name, entry in engine.catalog.items()}
         return {
             "requests": {**engine.scheduler.counters, **engine.scheduler.counts(), **engine.inbox.counts()},
             "cache": {
@@ -47,7 +47,10 @@ class ControlCalls:
                 "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
             },
             "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1), "weight_bytes": m.weight_bytes}
-                       for name, m in engine.models.items()},
+                       for name, m in engine.models.items()},  # the loaded ones
+            "residency": {"resident_bytes": engine.residency.resident_bytes,
+                          "max_model_bytes": engine.residency.max_bytes,
+                          "waiting_for_room": engine.residency.num_parked},
             "shadow": engine.scheduler.shadow.stats(),
             "process": {
                 "peak_rss_bytes": peak_rss_bytes(),
@@ -56,9 +59,27 @@ class ControlCalls:
             },
         }
 
+    def load_model(self, name: str, keep_alive: float | None) -> dict[str, Any]:
+        """Load a model now (Ollama's load request), unless it is loaded; ``keep_alive`` as a request's."""
+        self.engine.residency.ensure_loaded(name, keep_alive)
+        return self.engine.residency.describe(name)
+
+    def unload_model(self, name: str) -> dict[str, Any]:
+        """Unload a model now, or as soon as the requests using it end; its prefix-store entries stay."""
+        self.engine.residency.unload(name)
+        return self.engine.residency.describe(name)
+
     def describe_models(self) -> list[dict[str, Any]]:
+        """Every configured model, loaded or not, with its residency (memory, since when, until when)."""
         engine = self.engine
-        return [m.describe(default=(name == engine.default_model)) for name, m in engine.models.items()]
+        engine.residency.unload_expired()  # an expired model is listed as unloaded, not as due
+        described = []
+        for name, entry in engine.catalog.items():
+            loaded = engine.models.get(name)
+            default = name == engine.default_model
+            base = loaded.describe(default) if loaded is not None else entry.describe(default)
+            described.append({**base, **engine.residency.describe(name)})
+        return described
 
 
 def peak_rss_bytes() -> int | None:

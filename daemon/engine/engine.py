@@ -20,12 +20,14 @@ import structlog
 from ...protocol.errors import ErrorCode, RpcError
 from ..cache import PrefixStore
 from ..models.loaded_model import LoadedModel, ModelCard, load_model
+from ..models.model_catalog import CatalogEntry, describe_models
 from ..models.names import model_not_found
 from .constrained_sampling import compiler_for
 from .control_calls import ControlCalls, peak_rss_bytes
 from .faults import fault_point
 from .inbox import Inbox
 from .jobs import FAILED, GenerateJob
+from .model_residency import ModelResidency
 from .scheduler import Scheduler, internal_error
 from .settings import EngineSettings, default_prefill_chunk
 
@@ -63,8 +65,10 @@ class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self.inbox = Inbox(settings.max_queued, settings.max_queued_per_client)
-        self.models: dict[str, LoadedModel] = {}
-        self.model_names: tuple[str, ...] = ()  # read by the front: plain strings only
+        self.models: dict[str, LoadedModel] = {}  # the loaded ones (model_residency.py loads and unloads them)
+        self.catalog: dict[str, CatalogEntry] = {}  # every configured model, loaded or not
+        self.residency: ModelResidency | None = None  # set once the default model is loaded
+        self.model_names: tuple[str, ...] = ()  # read by the front: plain strings only; every configured model
         self.cards: dict[str, ModelCard] = {}  # read by the front: names, fingerprints, encoders
         self.default_model: str | None = None
         self.store: PrefixStore | None = None  # set once the models are loaded
@@ -117,24 +121,29 @@ class Engine:
         compiles on a grammar thread, then is queued; one whose constraint does
         not compile fails with INVALID_PARAMS through its ``emit``.
         """
-        if job.params.constraint is not None and job.grammar is None and not job.warm_only:
-            if not reserved:
-                self.inbox.reserve(job.client_id)
-            try:
-                self._grammar_pool.submit(self._compile_then_queue, job)
-            except RuntimeError:  # stopped: the pool takes no more work
-                self.inbox.release(job.client_id)
-                raise RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down") from None
-            return
-        self.inbox.put_job(job, reserved)
+        unpin = self.residency.pin(job, self.entry_for(job.params.model).name)  # until its reply: never unloaded under it
+        try:
+            if job.params.constraint is not None and job.grammar is None and not job.warm_only:
+                if not reserved:
+                    self.inbox.reserve(job.client_id)
+                try:
+                    self._grammar_pool.submit(self._compile_then_queue, job)
+                except RuntimeError:  # stopped: the pool takes no more work
+                    self.inbox.release(job.client_id)
+                    raise RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down") from None
+                return
+            self.inbox.put_job(job, reserved)
+        except BaseException:
+            unpin()  # never queued: it will emit nothing
+            raise
 
     def _compile_then_queue(self, job: GenerateJob) -> None:
         """On a grammar thread: the job's matcher, then its place in the queue (it holds a reserved one)."""
         try:
             if job.cancelled.is_set():
                 raise RpcError(ErrorCode.CANCELLED, "cancelled before it started")
-            loaded = self.model_for(job.params.model)
-            job.grammar = compiler_for(loaded).start(job.params.constraint)
+            entry = self.entry_for(job.params.model)  # its tokenizer, whether the weights are loaded or not
+            job.grammar = compiler_for(entry).start(job.params.constraint)
         except BaseException as exc:
             self.inbox.release(job.client_id)
             if not isinstance(exc, RpcError):
@@ -219,8 +228,9 @@ class Engine:
         return "stopped"
 
     def _iterate(self) -> None:
-        if self._held_job is not None or self.scheduler.has_work or self.inbox.has_jobs:
+        if self._held_job is not None or self.scheduler.has_work or self.inbox.has_jobs or self.residency.num_parked:
             fault_point("loop")  # while there is work: an idle engine has nothing to fail on
+        self.residency.unload_expired()
         self.poll_controls()
         self._admit_jobs()
         shadow = self.scheduler.shadow
@@ -257,6 +267,8 @@ class Engine:
         if self._held_job is not None:
             job, self._held_job = self._held_job, None
             job.emit(FAILED, self.dead_error())
+        if self.residency is not None:
+            self.residency.fail_parked(self.dead_error)
         try:
             if self.scheduler is not None:
                 self._fail_running(err)
@@ -268,10 +280,12 @@ class Engine:
     def _admit_jobs(self) -> None:
         scheduler = self.scheduler
         while scheduler.can_admit():
-            job = self._held_job or self.inbox.take_job()
+            job = self._held_job or self.residency.next_parked() or self.inbox.take_job()
             self._held_job = None
             if job is None:
                 return
+            if not self.residency.make_resident(job, self.entry_for(job.params.model).name):
+                continue  # it waits for pinned models to make room, or its model failed to load (answered)
             if not scheduler.admit(job):
                 self._held_job = job  # its KV does not fit yet: keep it first in line
                 scheduler.shadow.drop_current("a request needed its memory")
@@ -282,28 +296,10 @@ class Engine:
 
         self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
-        for spec in self.settings.model_specs:
-            loaded = self.load_one_model(spec)
-            if loaded.name in self.models:
-                loaded.name = loaded.encoder.model_name = f"{loaded.name}-{len(self.models)}"
-            self.models[loaded.name] = loaded
-            log.info(
-                "model_loaded",
-                model=loaded.name,
-                path=str(loaded.path),
-                load_s=round(loaded.load_seconds, 3),
-                weight_bytes=loaded.weight_bytes,
-                dtype=loaded.dtype,
-                hybrid=loaded.layout.is_hybrid,
-                cache_layers=loaded.layout.describe(),
-                attention=loaded.attention,
-                fingerprint=loaded.fingerprint,
-                process_peak_rss_bytes=peak_rss_bytes(),
-            )
-            if not loaded.layout.is_supported:
-                log.warning("prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache")
-        self.cards = {name: loaded.card() for name, loaded in self.models.items()}
-        self.model_names = tuple(self.models)
+        # Every model is described (tokenizer, layout, size: no weights read); only the default one loads now.
+        self.catalog = describe_models(self.settings.model_specs, self.settings.dtype)
+        self.cards = {name: entry.card for name, entry in self.catalog.items()}
+        self.model_names = tuple(self.catalog)
         self.default_model = self.model_names[0] if self.model_names else None
         self.store = PrefixStore(
             max_bytes=self.settings.cache_bytes,
@@ -321,6 +317,41 @@ class Engine:
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
         )
+        self.residency = ModelResidency(self.catalog, load=self._load_entry, on_unload=self._forget_model,
+                                        keep_alive=self.settings.keep_alive_s, max_bytes=self.settings.max_model_bytes)
+        if self.default_model is not None:
+            self.residency.ensure_loaded(self.default_model, None)
+
+    def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
+        """Load a configured model's weights (on first use, or again after an unload). Engine thread."""
+        loaded = self.load_one_model(entry.spec)
+        loaded.name = loaded.encoder.model_name = entry.name
+        self.models[loaded.name] = loaded
+        log.info(
+            "model_loaded",
+            model=loaded.name,
+            path=str(loaded.path),
+            load_s=round(loaded.load_seconds, 3),
+            weight_bytes=loaded.weight_bytes,
+            dtype=loaded.dtype,
+            hybrid=loaded.layout.is_hybrid,
+            cache_layers=loaded.layout.describe(),
+            attention=loaded.attention,
+            fingerprint=loaded.fingerprint,
+            process_peak_rss_bytes=peak_rss_bytes(),
+        )
+        if not loaded.layout.is_supported:
+            log.warning("prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache")
+        return loaded
+
+    def _forget_model(self, loaded: LoadedModel) -> None:
+        """An unloaded model's last references go (its weights' memory with them); its store entries stay."""
+        import mlx.core as mx
+
+        self.models.pop(loaded.name, None)
+        self.scheduler.forget_model(loaded.name)
+        self.scheduler.shadow.drop_model(loaded, "its model was unloaded")
+        mx.clear_cache()  # hand the freed buffers back rather than keep them for reuse
 
     def load_one_model(self, spec: str) -> LoadedModel:
         """One model, whole. Ranks of a distributed daemon each load their shard (distributed/lockstep.py)."""
@@ -344,6 +375,14 @@ class Engine:
         """Answer control calls (stats, tokenize, pin ...) between decode steps."""
         while (call := self.inbox.take_control()) is not None:
             call()
+
+    def entry_for(self, name: str | None) -> CatalogEntry:
+        """A configured model (the default one for None), loaded or not; MODEL_NOT_FOUND otherwise. Any thread."""
+        name = name or self.default_model
+        entry = self.catalog.get(name) if name else None
+        if entry is None:
+            raise model_not_found(name, self.model_names)
+        return entry
 
     def model_for(self, name: str | None) -> LoadedModel:
         name = name or self.default_model

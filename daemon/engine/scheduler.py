@@ -376,6 +376,12 @@ class Scheduler:
         for seq in [s for s in self.active if s.phase is Phase.DECODE and s.loaded.name == name]:
             self._fail(seq, err)
 
+    def forget_model(self, name: str) -> None:
+        """Drop an unloaded model's decode batch (empty: its jobs pinned it), so a reload gets one for its new weights."""
+        decoder = self._decoders.pop(name, None)
+        if decoder is not None and len(decoder):
+            raise RuntimeError(f"model {name} was unloaded with {len(decoder)} rows decoding")
+
     def _decoder_for(self, seq: SequenceState) -> BatchDecoder:
         decoder = self._decoders.get(seq.loaded.name)
         if decoder is None:

@@ -22,13 +22,16 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter, deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import structlog
 
 from .sequence_state import SequenceState
 from .shadow_run import ShadowOutcome, ShadowRun, ShadowSample
+
+if TYPE_CHECKING:
+    from ..models.loaded_model import LoadedModel
 
 log = structlog.get_logger("prefixd.shadow")
 
@@ -159,6 +162,18 @@ class ShadowChecker:
         self.drop_current(reason)
         while self._urgent:
             sample = self._urgent.popleft()
+            self._conclude(sample, _dropped(sample, reason))
+
+    def drop_model(self, loaded: "LoadedModel", reason: str) -> None:
+        """Forget the checks of a model being unloaded: they would hold its weights in memory.
+
+        Only background samples can name an idle model: a verify request's
+        reply waits for its check, so its job still pins the model.
+        """
+        if self._current is not None and self._current.sample.loaded is loaded:
+            self.drop_current(reason)
+        for sample in [s for s in self._pending if s.loaded is loaded]:
+            self._pending.remove(sample)
             self._conclude(sample, _dropped(sample, reason))
 
     def _conclude(self, sample: ShadowSample, outcome: ShadowOutcome) -> None:

@@ -282,8 +282,10 @@ def _json_error(request: web.Request, status: int, message: str, kind: str = "in
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every configured model, loaded or not; ``prefixd_residency`` says which are loaded, their memory, since and until when."""
     handlers = request.app[HANDLERS_KEY]
-    return web.json_response(shapes.models_list(handlers.engine.model_names, int(handlers.started_at)))
+    described = await handlers.engine.call(handlers.engine.controls.describe_models)
+    return web.json_response(shapes.models_list(described, int(handlers.started_at)))
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -291,7 +293,8 @@ async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name not in handlers.engine.model_names:
         raise model_not_found(name, handlers.engine.model_names)
-    return web.json_response(shapes.models_list((name,), int(handlers.started_at))["data"][0])
+    described = await handlers.engine.call(handlers.engine.controls.describe_models)
+    return web.json_response(shapes.models_list([m for m in described if m["name"] == name], int(handlers.started_at))["data"][0])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

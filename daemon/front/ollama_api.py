@@ -44,8 +44,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def _answer(request: web.Request, parsed: OllamaRequest, chat: bool) -> web.StreamResponse:
     reply = OllamaReply(chat, parsed.model, parsed.notes)
-    if parsed.params is None:  # a load request: every model is loaded already; only the name is checked
-        handlers_of(request).intake.card(parsed.model)
+    if parsed.params is None:  # a load request: load the model now, or with keep_alive 0 unload it
+        engine = handlers_of(request).engine
+        name = handlers_of(request).intake.card(parsed.model).name  # 404 for a model that is not configured
+        if parsed.keep_alive == 0:
+            await engine.call(lambda: engine.controls.unload_model(name))
+            return web.json_response(reply.loaded(unloaded=True))
+        await engine.call(lambda: engine.controls.load_model(name, parsed.keep_alive))
         return web.json_response(reply.loaded())
     async with RunningJob(request, parsed.params) as job:
         if not parsed.stream:
@@ -64,21 +69,20 @@ async def _answer(request: web.Request, parsed: OllamaRequest, chat: bool) -> we
 # -- listings -------------------------------------------------------------------------------
 
 
-async def _models(request: web.Request) -> list[tuple[dict[str, Any], int]]:
-    """(describe_models entry, weight bytes) of every loaded model, from the engine's quick calls."""
+async def _models(request: web.Request) -> list[dict[str, Any]]:
+    """describe_models of every configured model, loaded or not, from the engine's quick calls."""
     engine = handlers_of(request).engine
-    described = await engine.call(engine.controls.describe_models)
-    stats = await engine.call(engine.controls.stats)
-    return [(model, stats["models"].get(model["name"], {}).get("weight_bytes", 0)) for model in described]
+    return await engine.call(engine.controls.describe_models)
 
 
 async def tags(request: web.Request) -> web.Response:
     started_at = handlers_of(request).started_at
-    return web.json_response({"models": [model_entry(model, size, started_at) for model, size in await _models(request)]})
+    return web.json_response({"models": [model_entry(model, started_at) for model in await _models(request)]})
 
 
 async def running(request: web.Request) -> web.Response:
-    return web.json_response({"models": [running_entry(model, size) for model, size in await _models(request)]})
+    """The loaded models only, as Ollama's /api/ps lists them."""
+    return web.json_response({"models": [running_entry(model) for model in await _models(request) if model["loaded"]]})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -87,8 +91,8 @@ async def show(request: web.Request) -> web.Response:
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name:
         raise invalid("'model' must name a loaded model", "model")
-    card = handlers_of(request).intake.card(name)  # 404 for a model that is not loaded
-    model = next(m for m, _ in await _models(request) if m["name"] == card.name)
+    card = handlers_of(request).intake.card(name)  # 404 for a model that is not configured
+    model = next(m for m in await _models(request) if m["name"] == card.name)
     template = getattr(card.encoder.tokenizer, "chat_template", None)
     return web.json_response(show_entry(model, template if isinstance(template, str) else None,
                                         fim=await fim_format_of(request, card.name) is not None))

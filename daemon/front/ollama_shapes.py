@@ -13,13 +13,13 @@ default), not 0.8, and a model's answer length defaults to 256 tokens.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from ...protocol import methods as m
 from ...protocol.errors import RpcError
+from ...protocol.keep_alive import parse_keep_alive
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
@@ -32,19 +32,23 @@ RUNTIME_OPTIONS = ("num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock",
                    "f16_kv", "vocab_only", "logits_all", "embedding_only")
 # Options about truncating a prompt that does not fit: prefixd never truncates (a prompt that does not fit is a 413).
 CONTEXT_OPTIONS = ("num_ctx", "num_keep")
-KEEP_ALIVE_NOTE = "keep_alive: prefixd keeps every model loaded for the daemon's life; unloading is not implemented"
-_DURATION = re.compile(r"^-?(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
+NEVER = "2318-01-01T00:00:00Z"  # Ollama's expires_at for a model kept loaded for good
 _DONE_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length"}
 
 
 @dataclass
 class OllamaRequest:
-    """A parsed /api/chat or /api/generate body: the job's params (None: a bare load request) and the notes to report."""
+    """A parsed /api/chat or /api/generate body: the job's params (None: a bare load request) and the notes to report.
+
+    ``keep_alive``: seconds the model stays loaded once idle (negative: for
+    good; None: the daemon's default); a bare load request with 0 unloads it.
+    """
 
     params: m.GenerateParams | None
     model: str
     stream: bool
     notes: list[str] = field(default_factory=list)
+    keep_alive: float | None = None
 
 
 def now_rfc3339() -> str:
@@ -131,8 +135,9 @@ def _chat_message(index: int, message: Any) -> dict[str, str]:
 
 
 def _load_only(body: dict[str, Any], default_model: str) -> OllamaRequest:
-    notes = [_keep_alive_note(body.get("keep_alive"))] if "keep_alive" in body else []
-    return OllamaRequest(None, body.get("model") or default_model, bool(body.get("stream", True)), notes)
+    """Ollama's load request (no prompt, no messages): loads the model, or with keep_alive 0 unloads it."""
+    return OllamaRequest(None, body.get("model") or default_model, bool(body.get("stream", True)),
+                         keep_alive=_keep_alive(body.get("keep_alive")))
 
 
 def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, Any],
@@ -156,8 +161,8 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
         generate["max_tokens"] = _num_predict(options["num_predict"])
     if body.get("model"):
         generate["model"] = body["model"]
-    if "keep_alive" in body:
-        notes.append(_keep_alive_note(body["keep_alive"]))
+    if body.get("keep_alive") is not None:
+        generate["keep_alive"] = _keep_alive(body["keep_alive"])
     extras = {k: v for k, v in options.items() if k not in ("temperature", "top_p", "seed", "stop", "num_predict")}
     for name in RUNTIME_OPTIONS + CONTEXT_OPTIONS:
         if extras.pop(name, None) is not None:
@@ -165,7 +170,7 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
                          f"options.{name}: prefixd uses the model's whole context and never truncates a prompt")
     notes += check_sampling_extras(extras, float(generate.get("temperature") or 0.0), "options.")
     params = _parse(generate, "options.")
-    return OllamaRequest(params, params.model or default_model, stream, notes)
+    return OllamaRequest(params, params.model or default_model, stream, notes, params.keep_alive)
 
 
 def _parse(generate: dict[str, Any], where: str) -> m.GenerateParams:
@@ -190,18 +195,14 @@ def _num_predict(value: Any) -> int:
     return value
 
 
-def _keep_alive_note(value: Any) -> str:
-    """keep_alive is accepted unless it asks for what prefixd cannot do (unload now); the note says what it does."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (_DURATION.match(value) or re.fullmatch(r"-?\d+(\.\d+)?", value)):
-        seconds = 0.0 if not re.search("[1-9]", value) else 1.0  # only its sign and zero-ness matter here
-    else:
-        raise invalid("'keep_alive' must be a duration (\"5m\", \"1h\", \"-1\") or a number of seconds", "keep_alive")
-    if seconds == 0:
-        raise invalid("'keep_alive' 0 asks to unload the model, which prefixd does not implement: its models stay loaded "
-                      "for the daemon's life", "keep_alive")
-    return KEEP_ALIVE_NOTE
+def _keep_alive(value: Any) -> float | None:
+    """Seconds (Ollama's durations and numbers; negative: for good), None when absent; a 400 naming it otherwise."""
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise invalid(f"'keep_alive' {exc}", "keep_alive") from None
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -228,7 +229,7 @@ class OllamaReply:
             "model": self.model, "created_at": now_rfc3339(), **self._text(text), "done": True,
             "done_reason": _DONE_REASONS.get(result["finish_reason"], "stop"),
             "total_duration": _ns(timings["total_ms"]),
-            "load_duration": 0,  # every model is loaded when the daemon starts
+            "load_duration": 0,  # a model loaded for this request blocked the engine before it was admitted: not timed per request
             "prompt_eval_count": usage["prompt_tokens"],
             "prompt_eval_duration": _ns(timings["prefill_ms"]),
             "eval_count": usage["completion_tokens"],
@@ -240,9 +241,10 @@ class OllamaReply:
             reply["prefixd_notes"] = self.notes
         return reply
 
-    def loaded(self) -> dict[str, Any]:
-        """The answer to a load request (no prompt, no messages): the model is loaded already."""
-        reply = {"model": self.model, "created_at": now_rfc3339(), **self._text(""), "done": True, "done_reason": "load"}
+    def loaded(self, unloaded: bool = False) -> dict[str, Any]:
+        """The answer to a load request (no prompt, no messages): the model is loaded now, or (keep_alive 0) unloaded."""
+        reply = {"model": self.model, "created_at": now_rfc3339(), **self._text(""), "done": True,
+                 "done_reason": "unload" if unloaded else "load"}
         if self.notes:
             reply["prefixd_notes"] = self.notes
         return reply
@@ -255,25 +257,31 @@ def _ns(milliseconds: float) -> int:
 # -- model listings -----------------------------------------------------------------------
 
 
-def model_entry(model: dict[str, Any], weight_bytes: int, started_at: float) -> dict[str, Any]:
-    """One model as /api/tags lists it, from the engine's describe_models and stats."""
+def model_entry(model: dict[str, Any], started_at: float) -> dict[str, Any]:
+    """One configured model (loaded or not) as /api/tags lists it, from the engine's describe_models."""
     return {
         "name": model["name"], "model": model["name"],
-        "modified_at": datetime.fromtimestamp(started_at, timezone.utc).isoformat().replace("+00:00", "Z"),
-        "size": weight_bytes,
+        "modified_at": _rfc3339(started_at),
+        "size": model["weight_bytes"],
         "digest": model["fingerprint"],
         "details": _details(model),
     }
 
 
-def running_entry(model: dict[str, Any], weight_bytes: int) -> dict[str, Any]:
-    """One model as /api/ps lists it: loaded until the daemon stops, so no expiry time is real; Ollama's "never" is far off."""
+def running_entry(model: dict[str, Any]) -> dict[str, Any]:
+    """One loaded model as /api/ps lists it: its memory and when it unloads (Ollama's far-off "never" while a
+    request uses it or it is kept for good); ``prefixd_loaded_at`` says since when."""
+    expires_at = model["expires_at"]
     return {
-        "name": model["name"], "model": model["name"], "size": weight_bytes, "digest": model["fingerprint"],
-        "details": _details(model), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
-        "context_length": model["context_length"],
-        "prefixd_note": KEEP_ALIVE_NOTE,
+        "name": model["name"], "model": model["name"], "size": model["resident_bytes"], "digest": model["fingerprint"],
+        "details": _details(model), "expires_at": _rfc3339(expires_at) if expires_at is not None else NEVER,
+        "size_vram": 0, "context_length": model["context_length"],
+        "prefixd_loaded_at": _rfc3339(model["loaded_at"]), "prefixd_keep_alive": model["keep_alive"],
     }
+
+
+def _rfc3339(unix_time: float) -> str:
+    return datetime.fromtimestamp(unix_time, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def show_entry(model: dict[str, Any], template: str | None, fim: bool) -> dict[str, Any]:

@@ -226,5 +226,12 @@ class Reply:
         return {**self._envelope(self.object + (".chunk" if self.chat else ""), []), **self.extras(result)}
 
 
-def models_list(model_names: tuple[str, ...], created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "prefixd"} for name in model_names]}
+RESIDENCY_KEYS = ("loaded", "resident_bytes", "weight_bytes", "loaded_at", "expires_at", "keep_alive", "active_jobs")
+
+
+def models_list(described: list[dict[str, Any]], created: int) -> dict[str, Any]:
+    """OpenAI's model list from the engine's describe_models, with each model's residency beside OpenAI's fields."""
+    return {"object": "list", "data": [
+        {"id": model["name"], "object": "model", "created": created, "owned_by": "prefixd",
+         "prefixd_residency": {key: model[key] for key in RESIDENCY_KEYS}}
+        for model in described]}

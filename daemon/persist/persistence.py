@@ -58,7 +58,8 @@ class Persistence:
         try:
             self._enabled = await asyncio.to_thread(self.disk.open)
             if self._enabled:
-                self._fingerprints.update(model.fingerprint for model in self.engine.models.values())
+                # Every configured model's, loaded now or on demand later: their entries are saved and kept alike.
+                self._fingerprints.update(entry.fingerprint for entry in self.engine.catalog.values())
                 self._tasks = [asyncio.create_task(self._load.run()), asyncio.create_task(self._save_periodically())]
         finally:
             if not self._tasks:

@@ -51,7 +51,7 @@ class StartupLoad:
         """The background load; never raises (but for cancellation): the daemon serves either way."""
         started = time.monotonic()
         try:
-            self._layouts = {model.fingerprint: model.layout for model in self.engine.models.values()}
+            self._layouts = {entry.fingerprint: entry.layout for entry in self.engine.catalog.values()}
             scan, self._index = await asyncio.to_thread(self._scan)
             self._scanned.set()
             self.counts["skipped"] += scan.num_skipped

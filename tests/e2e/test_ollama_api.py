@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
+from datetime import datetime, timezone
 
 import pytest
 
@@ -78,8 +80,8 @@ def test_tags_show_ps_version(client):
     shown = client.show("llama-fim")
     assert "insert" in shown.capabilities and "insert" not in client.show("llama").capabilities
     assert any(key.endswith(".context_length") for key in shown.modelinfo)
-    running = client.ps().models
-    assert sorted(m.model for m in running) == ["llama", "llama-fim"]
+    running = client.ps().models  # the loaded models: llama, the default, at least
+    assert "llama" in [m.model for m in running] and all(m.size > 0 for m in running)
     assert client.show("llama").details.format == "mlx"
     with pytest.raises(ollama.ResponseError) as err:
         client.show("no-such-model")
@@ -91,8 +93,34 @@ def test_version_and_load_requests(daemon, client):
     assert json.loads(urllib.request.urlopen(request).read())["version"]
     loaded = client.generate(model="llama", prompt="", keep_alive="10m")  # Ollama's "load this model"
     assert loaded.done and loaded.done_reason == "load"
-    status, raw = daemon.post_json("/api/generate", {"model": "llama", "keep_alive": "10m"})
-    assert status == 200 and "unloading is not implemented" in raw["prefixd_notes"][0]
+    status, raw = daemon.post_json("/api/generate", {"model": "llama", "keep_alive": "soon"})
+    assert status == 400 and "keep_alive" in raw["error"]
+
+
+def test_keep_alive_loads_and_unloads_a_model_as_ps_shows(daemon, client):
+    def running() -> dict:
+        return {m.model: m for m in client.ps().models}
+
+    unloaded = client.generate(model="llama-fim", prompt="", keep_alive=0)  # Ollama's "unload this model"
+    assert unloaded.done and unloaded.done_reason == "unload"
+    assert "llama-fim" not in running() and "llama" in running()
+    assert sorted(m.model for m in client.list().models) == ["llama", "llama-fim"]  # tags: loaded or not
+
+    reply = client.generate(model="llama-fim", prompt="def f():", keep_alive="5m", options={"num_predict": 2})
+    assert reply.done
+    entry = running()["llama-fim"]
+    remaining = (entry.expires_at - datetime.now(timezone.utc)).total_seconds()
+    assert 240 < remaining <= 300 and entry.size > 0
+
+    client.chat(model="llama-fim", messages=CHAT, keep_alive=0, options={"num_predict": 2})  # unloads once done
+    assert "llama-fim" not in running()
+
+    assert client.generate(model="llama-fim", prompt="", keep_alive=-1).done_reason == "load"  # for good
+    assert running()["llama-fim"].expires_at.year > 2300
+    request = urllib.request.Request(daemon.base_url + "/v1/models", headers=daemon.headers())
+    listed = {m["id"]: m["prefixd_residency"] for m in json.loads(urllib.request.urlopen(request).read())["data"]}
+    assert listed["llama-fim"]["loaded"] and listed["llama-fim"]["keep_alive"] == "forever"
+    assert listed["llama-fim"]["resident_bytes"] > 0 and listed["llama-fim"]["loaded_at"] <= time.time()
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -100,7 +128,7 @@ def test_version_and_load_requests(daemon, client):
     ({"options": {"top_k": 40, "temperature": 0.7}}, "options.top_k"),
     ({"options": {"num_predict": 0}}, "options.num_predict"),
     ({"options": {"no_such_option": 1}}, "options.no_such_option"),
-    ({"keep_alive": 0}, "keep_alive"),
+    ({"keep_alive": "a while"}, "keep_alive"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}}]}, "tools"),
 ])
 def test_unsupported_fields_are_400_naming_the_field(client, kwargs, field):

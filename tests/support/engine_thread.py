@@ -1,7 +1,7 @@
 """An engine without models for persistence tests: one thread that runs every ``call``, timed.
 
-``Persistence`` needs of the engine only ``models`` (fingerprint and layout),
-``store`` and ``call``; this gives it those, with the calls run one at a
+``Persistence`` needs of the engine only ``catalog`` (every configured model's
+fingerprint and layout, loaded or not), ``store`` and ``call``; this gives it those, with the calls run one at a
 time on a thread of their own as the real engine runs them between steps.
 ``call_seconds`` records how long each call held that thread, which is
 what a save or a load costs decoding; ``refuse`` lets a test make a call
@@ -26,7 +26,7 @@ T = TypeVar("T")
 class EngineThread:
     def __init__(self, store: PrefixStore, layouts: dict[str, CacheLayout]):
         self.store = store
-        self.models = {fp: SimpleNamespace(fingerprint=fp, layout=layout) for fp, layout in layouts.items()}
+        self.catalog = {fp: SimpleNamespace(fingerprint=fp, layout=layout) for fp, layout in layouts.items()}
         self.call_seconds: list[float] = []
         self.refuse: Callable[[], bool] | None = None  # True: this call fails before it runs
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fake-engine")

@@ -1,0 +1,279 @@
+"""Models on demand: load a configured model on first use, unload it when idle or when room is needed.
+
+Every configured model has a slot; a slot holds its ``LoadedModel`` while it
+is resident. Rules:
+
+* A job pins its model from ``Engine.submit`` until its reply (done or failed)
+  is emitted: queued and running jobs both count, so a model is never
+  unloaded under a request that was promised to it.
+* An unpinned model stays for its ``keep_alive`` (the last request's, or the
+  daemon's ``--keep-alive`` when that request gave none, as Ollama does;
+  negative: for good; 0: unloaded as soon as its last job ends), then the
+  engine unloads it between steps.
+* Before a load, if ``--max-model-memory`` would be passed, unpinned models are
+  unloaded least recently used first; if pinned ones stand in the way, the job
+  waits (parked here) while every other job goes on, and is retried each
+  iteration. A model larger than the limit on its own fails its requests.
+* A load that fails fails that request with MODEL_LOAD_FAILED; the next
+  request for the model tries again.
+
+Loads and unloads run on the engine thread (MLX arrays belong to the thread
+that made them): a load blocks the engine for as long as it reads and
+evaluates the weights. The prefix store is untouched by an unload: its
+entries are namespaced by the model's fingerprint, which a reload computes
+again identically, so a reloaded model finds them.
+
+``pin`` and the unpinning run on any thread (the event loop submits, the
+engine, a grammar thread or the loop may emit the end), under one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import structlog
+
+from ...protocol.errors import ErrorCode, RpcError
+from ...protocol.keep_alive import describe_keep_alive
+from ..models.loaded_model import LoadedModel
+from ..models.model_catalog import CatalogEntry
+from .jobs import DONE, FAILED, GenerateJob
+
+log = structlog.get_logger("prefixd.models")
+
+
+@dataclass
+class _Slot:
+    entry: CatalogEntry
+    keep_alive: float  # seconds an idle model stays; negative: for good
+    loaded: LoadedModel | None = None
+    loaded_at: float | None = None  # wall clock, for listings
+    last_used: float = 0.0  # monotonic: the least recently used goes first
+    idle_since: float | None = None  # monotonic; None while a job pins it
+    num_jobs: int = 0  # queued or running jobs naming this model
+
+    def expires_at(self) -> float | None:
+        """Monotonic time it unloads at; None: never (pinned, or kept for good)."""
+        if self.loaded is None or self.num_jobs or self.idle_since is None or self.keep_alive < 0:
+            return None
+        return self.idle_since + self.keep_alive
+
+
+class ModelResidency:
+    """Which configured models are loaded; loads, unloads and the jobs waiting for room."""
+
+    def __init__(
+        self,
+        catalog: dict[str, CatalogEntry],
+        load: Callable[[CatalogEntry], LoadedModel],
+        on_unload: Callable[[LoadedModel], None],
+        keep_alive: float,
+        max_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.default_keep_alive = keep_alive
+        self._slots = {name: _Slot(entry, keep_alive) for name, entry in catalog.items()}
+        self._load = load
+        self._on_unload = on_unload
+        self.max_bytes = max_bytes  # 0: no limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._parked: deque[tuple[GenerateJob, str]] = deque()  # (job, its model): waiting for pinned models to make room
+
+    # -- any thread ------------------------------------------------------------------------
+
+    def pin(self, job: GenerateJob, name: str) -> Callable[[], None]:
+        """Pin ``name`` until the job's reply is emitted; returns the unpin (idempotent), for a job never queued."""
+        slot = self._slots[name]
+        with self._lock:
+            slot.num_jobs += 1
+            slot.idle_since = None
+        released = threading.Event()
+        # Ollama's rule: each request sets how long its model stays, the daemon's default when it says nothing.
+        keep_alive = self.default_keep_alive if job.params.keep_alive is None else job.params.keep_alive
+
+        def unpin() -> None:
+            with self._lock:
+                if released.is_set():
+                    return
+                released.set()
+                slot.num_jobs -= 1
+                slot.keep_alive = keep_alive
+                if not slot.num_jobs:
+                    slot.idle_since = self._clock()
+
+        emit = job.emit
+
+        def emit_then_unpin(kind: str, payload: Any) -> None:
+            if kind in (DONE, FAILED):
+                unpin()  # first: a client told "done" then asking `models` sees the model idle
+            emit(kind, payload)
+
+        job.emit = emit_then_unpin
+        return unpin
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def make_resident(self, job: GenerateJob, name: str) -> bool:
+        """True: the job may go to the scheduler (its model is loaded, or it was cancelled).
+
+        False: the job is taken care of here: parked until room frees up, or
+        failed (the model is too large or did not load).
+        """
+        slot = self._slots[name]
+        if job.cancelled.is_set():
+            return True  # the scheduler answers it
+        if slot.loaded is not None:
+            slot.last_used = self._clock()
+            return True
+        try:
+            if not self._make_room(slot):
+                self._parked.append((job, name))
+                return False
+            self._load_slot(slot)
+        except RpcError as err:
+            job.emit(FAILED, err)
+            return False
+        return True
+
+    def next_parked(self) -> GenerateJob | None:
+        """The first parked job that can go now (room freed up, or cancelled), taken out of the queue."""
+        for item in self._parked:
+            job, name = item
+            slot = self._slots[name]
+            if job.cancelled.is_set() or slot.loaded is not None or self._fits_after_evictions(slot):
+                self._parked.remove(item)
+                return job
+        return None
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def fail_parked(self, err_factory: Callable[[], RpcError]) -> None:
+        while self._parked:
+            job, _ = self._parked.popleft()
+            job.emit(FAILED, err_factory())
+
+    def ensure_loaded(self, name: str, keep_alive: float | None) -> LoadedModel:
+        """Load a model now (Ollama's load request); raises MODEL_LOAD_FAILED, or OVERLOADED while pinned models fill the room."""
+        slot = self._slots[name]
+        with self._lock:
+            slot.keep_alive = self.default_keep_alive if keep_alive is None else keep_alive
+        if slot.loaded is None:
+            if not self._make_room(slot):
+                raise RpcError(ErrorCode.OVERLOADED, f"model {name} does not fit beside the models serving requests "
+                                                     f"now (--max-model-memory {self.max_bytes} bytes); retry later")
+            self._load_slot(slot)
+        slot.last_used = self._clock()
+        with self._lock:
+            if not slot.num_jobs:
+                slot.idle_since = self._clock()
+        return slot.loaded
+
+    def unload(self, name: str) -> bool:
+        """Unload now if no job pins it (True); else it unloads as soon as its last job ends (keep_alive 0)."""
+        slot = self._slots[name]
+        with self._lock:
+            slot.keep_alive = 0.0
+            busy = slot.num_jobs > 0
+        if slot.loaded is None or busy:
+            return slot.loaded is None
+        self._unload_slot(slot, "asked")
+        return True
+
+    def unload_expired(self) -> None:
+        now = self._clock()
+        for slot in self._slots.values():
+            with self._lock:
+                expires_at = slot.expires_at()
+            if expires_at is not None and now >= expires_at:
+                self._unload_slot(slot, "idle")
+
+    def loaded_models(self) -> dict[str, LoadedModel]:
+        return {name: slot.loaded for name, slot in self._slots.items() if slot.loaded is not None}
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(slot.loaded.weight_bytes for slot in self._slots.values() if slot.loaded is not None)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """What ``models`` says of its residency: loaded or not, its memory, since when and until when."""
+        slot = self._slots[name]
+        with self._lock:
+            expires_at, num_jobs, keep_alive = slot.expires_at(), slot.num_jobs, slot.keep_alive
+        loaded = slot.loaded
+        return {
+            "loaded": loaded is not None,
+            "resident_bytes": loaded.weight_bytes if loaded is not None else 0,
+            "weight_bytes": loaded.weight_bytes if loaded is not None else slot.entry.weight_bytes,
+            "loaded_at": slot.loaded_at if loaded is not None else None,
+            # Wall-clock unload time; None while loaded for good or pinned by a job (and when not loaded).
+            "expires_at": time.time() + max(0.0, expires_at - self._clock()) if expires_at is not None else None,
+            "keep_alive": describe_keep_alive(keep_alive),
+            "active_jobs": num_jobs,
+        }
+
+    # -- loading and unloading -------------------------------------------------------------
+
+    def _fits_after_evictions(self, slot: _Slot) -> bool:
+        if not self.max_bytes:
+            return True
+        idle = sum(s.loaded.weight_bytes for s in self._evictable(slot))
+        return self.resident_bytes - idle + slot.entry.weight_bytes <= self.max_bytes
+
+    def _evictable(self, wanted: _Slot) -> list[_Slot]:
+        """Loaded, unpinned models other than ``wanted``, least recently used first."""
+        with self._lock:
+            idle = [s for s in self._slots.values() if s is not wanted and s.loaded is not None and not s.num_jobs]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    def _make_room(self, slot: _Slot) -> bool:
+        """Unload idle models (LRU first) until ``slot`` fits; False if pinned models leave too little room."""
+        if not self.max_bytes:
+            return True
+        need = slot.entry.weight_bytes
+        if need > self.max_bytes:
+            raise RpcError(ErrorCode.MODEL_LOAD_FAILED,
+                           f"model {slot.entry.name} needs {need} bytes of weights, more than --max-model-memory "
+                           f"({self.max_bytes} bytes) allows for all models together")
+        if not self._fits_after_evictions(slot):
+            return False
+        for victim in self._evictable(slot):
+            if self.resident_bytes + need <= self.max_bytes:
+                break
+            self._unload_slot(victim, "room", for_model=slot.entry.name)
+        return True
+
+    def _load_slot(self, slot: _Slot) -> None:
+        entry = slot.entry
+        started = time.perf_counter()
+        try:
+            loaded = self._load(entry)
+        except Exception as exc:  # the request fails, the daemon serves on; the next request tries again
+            log.error("model_load_failed", model=entry.name, path=str(entry.path), error=f"{type(exc).__name__}: {exc}")
+            raise RpcError(ErrorCode.MODEL_LOAD_FAILED,
+                           f"model {entry.name} could not be loaded from {entry.path}: {type(exc).__name__}: {exc}") from None
+        if loaded.fingerprint != entry.fingerprint:
+            log.warning("model_changed_on_disk", model=entry.name, fingerprint_at_start=entry.fingerprint,
+                        fingerprint_now=loaded.fingerprint)
+        slot.loaded, slot.loaded_at = loaded, time.time()
+        slot.last_used = self._clock()
+        with self._lock:
+            if not slot.num_jobs:
+                slot.idle_since = self._clock()
+        log.info("model_resident", model=entry.name, load_s=round(time.perf_counter() - started, 3),
+                 weight_bytes=loaded.weight_bytes, resident_bytes=self.resident_bytes,
+                 keep_alive=describe_keep_alive(slot.keep_alive))
+
+    def _unload_slot(self, slot: _Slot, reason: str, for_model: str | None = None) -> None:
+        loaded, slot.loaded, slot.loaded_at = slot.loaded, None, None
+        if loaded is None:
+            return
+        self._on_unload(loaded)
+        log.info("model_unloaded", model=slot.entry.name, reason=reason, for_model=for_model,
+                 weight_bytes=loaded.weight_bytes, resident_bytes=self.resident_bytes)

@@ -1,0 +1,100 @@
+"""What the daemon knows of a configured model without loading its weights.
+
+Models load on demand (engine/model_residency.py), but the fronts must encode
+prompts, the disk cache must know each model's namespace and cache layout, and
+a model mlx-lm cannot batch must be refused at start, all before any weights
+are read. So at start every configured model is described: its tokenizer is
+loaded (no MLX), and mlx-lm builds the model *lazily* (arrays that would read
+the safetensors files only when evaluated, which they never are here: about
+10 ms and no weight memory for a 135M model), which gives its cache layout,
+its parameter bytes and the dtype its fingerprint names, the same fingerprint
+``load_model`` computes once the weights are read.
+
+Engine thread only (the lazy model is MLX objects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer
+
+from ..kv.layout import CacheLayout, make_cache_layout
+from .loaded_model import ModelCard, _context_length, model_fingerprint, refuse_unbatchable, resolve_model_path
+from .prompt_encoding import PromptEncoder
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One configured model, loaded or not: its identity, tokenizer, cache layout and size."""
+
+    name: str
+    spec: str  # as configured (--model)
+    path: Path
+    fingerprint: str
+    context_length: int
+    layout: CacheLayout
+    weight_bytes: int  # its parameters once loaded (with --dtype applied)
+    dtype: str  # of its first parameter once loaded, as LoadedModel.dtype says it
+    tokenizer: Any  # mlx_lm TokenizerWrapper: what the grammar compiler reads
+    eos_token_ids: frozenset[int]
+    card: ModelCard  # what the fronts read
+
+    def describe(self, default: bool) -> dict[str, Any]:
+        """The same keys as LoadedModel.describe, for a model that is not loaded now."""
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "default": default,
+            "context_length": self.context_length,
+            "fingerprint": self.fingerprint,
+            "hybrid": self.layout.is_hybrid,
+            "dtype": self.dtype,
+            "cache_layers": self.layout.describe(),
+            "attention": None,  # chosen when it loads (tail_attention.py)
+        }
+
+
+def describe_models(specs: Iterable[str], dtype: str) -> dict[str, CatalogEntry]:
+    """Every configured model by name, in order (a repeated name gets a ``-N`` suffix, as before)."""
+    entries: dict[str, CatalogEntry] = {}
+    for spec in specs:
+        entry = describe_model(spec, dtype, taken=entries)
+        entries[entry.name] = entry
+    return entries
+
+
+def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None) -> CatalogEntry:
+    """Raises what load_model would for a missing directory or a model the engine cannot batch."""
+    path = resolve_model_path(spec)
+    model, config = mlx_lm_load_model(path, lazy=True)
+    refuse_unbatchable(model, path)
+    if dtype != "auto":
+        model.set_dtype(getattr(mx, dtype))  # lazy too: only the dtype the arrays will have is read below
+    params = [value for _, value in tree_flatten(model.parameters())]
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    name = path.name
+    if taken and name in taken:
+        name = f"{name}-{len(taken)}"
+    context_length = _context_length(config)
+    fingerprint = model_fingerprint(path, tokenizer, str(params[0].dtype))
+    encoder = PromptEncoder(tokenizer, name, context_length)
+    return CatalogEntry(
+        name=name,
+        spec=spec,
+        path=path,
+        fingerprint=fingerprint,
+        context_length=context_length,
+        layout=make_cache_layout(model),
+        weight_bytes=sum(value.nbytes for value in params),
+        dtype=str(params[0].dtype).replace("mlx.core.", ""),
+        tokenizer=tokenizer,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        card=ModelCard(name, fingerprint, context_length, encoder),
+    )
+
