@@ -21,8 +21,11 @@ tokens (a fork of one prefilled cache, as prefixd makes it):
 6. tails of new lengths at new depths through prefixd's matmul form of
    attention (daemon/models/tail_attention.py, the daemon's default on CUDA):
    first pass, repeat, and the largest logit difference against MLX's fused
-   attention (on CUDA, MLX builds a cuDNN graph per new (query, key) shape).
-Prints a table per part; timings are medians where repeated.
+   attention (on CUDA, MLX builds a cuDNN graph per new (query, key) shape);
+7. what a first pass still costs in the matmul form: the same tail length at
+   new depths, new tail lengths at one depth, tails padded to a multiple of 64
+   at new depths (run it with MLX_USE_CUDA_GRAPHS=0 too: is it graph capture?).
+``--parts 6,7`` runs only those parts. Prints a table per part; timings are medians where repeated.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("--context", type=int, default=3000)
     parser.add_argument("--json")
+    parser.add_argument("--parts", default="1,2,3,4,5,6,7", help="which parts to run, e.g. 6,7")
     args = parser.parse_args()
+    parts = {int(part) for part in args.parts.split(",")}
     model, tokenizer = load(args.model)
     vocab = len(tokenizer.vocab)
     rng = __import__("random").Random(0)
@@ -93,6 +98,26 @@ def main() -> int:
     tail = tokens[args.context + 40:]
 
     print(f"device {mx.default_device()}, mlx {mx.__version__}, context {args.context} tokens")
+    if 1 in parts:
+        part_new_lengths(model, base, tail, out)
+    if 2 in parts:
+        part_other_depth(model, base_other, tail, out)
+    if 3 in parts:
+        part_padded(model, base, tail, out)
+    if 4 in parts:
+        part_decode_depths(model, prefill, tail, args.context, out)
+    if 5 in parts:
+        part_array_mask(model, base, tail, out)
+    if 6 in parts:
+        part_matmul_form(model, prefill, tail, args.context, out)
+    if 7 in parts:
+        part_matmul_residual(model, prefill, tail, args.context, out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def part_new_lengths(model, base, tail, out) -> None:
     print("\n1. tails of new lengths (ms): first pass, repeat")
     rows = []
     for n in (37, 38, 61, 83, 97, 130, 201, 333):
@@ -102,6 +127,8 @@ def main() -> int:
         print(f"   tail {n:4d}: first {first:8.1f}  repeat {repeat:7.1f}")
     out["new_lengths"] = rows
 
+
+def part_other_depth(model, base_other, tail, out) -> None:
     print("\n2. the same tail lengths at another depth (context + 37): first pass")
     rows = []
     for n in (37, 61, 97):
@@ -110,6 +137,8 @@ def main() -> int:
         print(f"   tail {n:4d}: first {first:8.1f}")
     out["other_depth"] = rows
 
+
+def part_padded(model, base, tail, out) -> None:
     print(f"\n3. tails padded to a multiple of {BUCKET} (ms, first pass of a new real length) and logit difference")
     rows = []
     for n in (40, 45, 50, 70, 90, 110, 150, 170):  # new real lengths, padded lengths 64/128/192
@@ -124,16 +153,20 @@ def main() -> int:
         print(f"   tail {n:4d} -> {padded:4d}: first {first:8.1f}  max |diff| {diff:.4g} of {scale:.3g}  same argmax {same_argmax}")
     out["padded"] = rows
 
+
+def part_decode_depths(model, prefill, tail, context, out) -> None:
     print("\n4. one decode step at new cache depths (ms): first, repeat")
     rows = []
     for extra in (1, 2, 3, 50, 300):
-        depth_base = prefill(args.context + extra)
+        depth_base = prefill(context + extra)
         first, _ = timed_pass(model, depth_base, tail[:1])
         repeat = statistics.median(timed_pass(model, depth_base, tail[:1])[0] for _ in range(3))
-        rows.append({"depth": args.context + extra, "first_ms": first, "repeat_ms": repeat})
-        print(f"   depth {args.context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}")
+        rows.append({"depth": context + extra, "first_ms": first, "repeat_ms": repeat})
+        print(f"   depth {context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}")
     out["decode_depths"] = rows
 
+
+def part_array_mask(model, base, tail, out) -> None:
     print("\n5. tails of new lengths with an explicit array mask (ms): first, repeat")
     from mlx_lm.models import cache as cache_module
 
@@ -154,12 +187,14 @@ def main() -> int:
         cache_module.KVCache.make_mask = original
     out["array_mask"] = rows
 
+
+def part_matmul_form(model, prefill, tail, context, out) -> None:
     print("\n6. tails of new lengths at new depths, matmul form of attention (ms): first, repeat, fused first")
     from prefixd.daemon.models import tail_attention
 
     rows = []
     for n, extra in ((43, 5), (71, 9), (103, 13), (157, 21), (251, 29)):
-        depth_base = prefill(args.context + extra)
+        depth_base = prefill(context + extra)
         tail_attention.install(model, "matmul")
         first, logits_matmul = timed_pass(model, depth_base, tail[:n])
         repeat = statistics.median(timed_pass(model, depth_base, tail[:n])[0] for _ in range(3))
@@ -167,14 +202,40 @@ def main() -> int:
         fused_first, logits_fused = timed_pass(model, depth_base, tail[:n])
         diff = float(mx.max(mx.abs(logits_matmul.astype(mx.float32) - logits_fused.astype(mx.float32))))
         same_argmax = int(mx.argmax(logits_matmul)) == int(mx.argmax(logits_fused))
-        rows.append({"tail": n, "depth": args.context + extra, "first_ms": first, "repeat_ms": repeat,
+        rows.append({"tail": n, "depth": context + extra, "first_ms": first, "repeat_ms": repeat,
                      "fused_first_ms": fused_first, "max_abs_diff_vs_fused": diff, "same_argmax": same_argmax})
-        print(f"   tail {n:4d} at {args.context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}  "
+        print(f"   tail {n:4d} at {context + extra:5d}: first {first:7.1f}  repeat {repeat:7.1f}  "
               f"fused first {fused_first:7.1f}  max |diff| {diff:.4g}  same argmax {same_argmax}")
     out["matmul_form"] = rows
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+
+
+def part_matmul_residual(model, prefill, tail, context, out) -> None:
+    import os
+
+    from prefixd.daemon.models import tail_attention
+
+    graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "1 (default)")
+    print(f"\n7. what a first pass still costs in the matmul form (ms; MLX_USE_CUDA_GRAPHS={graphs})")
+    tail_attention.install(model, "matmul")
+    rows = []
+
+    def row(kind: str, n: int, depth_base, depth: int, pad_to: int | None = None) -> None:
+        first, _ = timed_pass(model, depth_base, tail[:n], pad_to=pad_to)
+        repeat = statistics.median(timed_pass(model, depth_base, tail[:n], pad_to=pad_to)[0] for _ in range(3))
+        rows.append({"kind": kind, "tail": n, "padded": pad_to, "depth": depth, "first_ms": first, "repeat_ms": repeat})
+        padded = f" -> {pad_to}" if pad_to else ""
+        print(f"   {kind:24s} tail {n:4d}{padded:8s} at {depth:5d}: first {first:7.1f}  repeat {repeat:7.1f}")
+
+    seen = prefill(context + 101)
+    row("warm-up (new length)", 60, seen, context + 101)
+    for extra in (103, 107, 109):
+        row("seen length, new depth", 60, prefill(context + extra), context + extra)
+    for n in (61, 77, 95):
+        row("new length, seen depth", n, seen, context + 101)
+    for n, extra in ((50, 113), (55, 127), (58, 131)):
+        row("padded to 64, new depth", n, prefill(context + extra), context + extra, pad_to=BUCKET)
+    tail_attention.install(model, "fused")
+    out["matmul_residual"] = {"cuda_graphs": graphs, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..front import http_options
 from ..models.blas import preload_blas
+from ..models.mlx_runtime_env import apply_daemon_defaults
 from .config import ConfigError, explicit_flags, load_config
 from .config import parse_size as parse_size_value
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixd: no model to serve: pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
         return 2
     blas = preload_blas()  # before anything imports mlx
+    mlx_defaults = apply_daemon_defaults()  # before MLX builds its CUDA caches (models/mlx_runtime_env.py)
     from ..engine.settings import EngineSettings
     from ..front.listener import SocketInUse
     from ..persist.persistence import DiskCacheSettings
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(socket_path=args.socket, engine=engine, grace_seconds=args.grace_seconds,
                               http=http, allowed_uids=tuple(args.allow_uid), status_interval_seconds=args.status_interval,
                               disk_cache=DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval) if args.disk_cache_bytes else None)
-    log.info("daemon_starting", blas=blas or "bundled", dtype=engine.dtype, cache_bytes=cache_bytes, prefill_chunk=engine.prefill_chunk or "auto",
+    log.info("daemon_starting", blas=blas or "bundled", mlx_env=mlx_defaults, dtype=engine.dtype, cache_bytes=cache_bytes, prefill_chunk=engine.prefill_chunk or "auto",
              config_file=str(config.path) if config.file_found else None)
     # The engine thread builds each forward pass in Python and holds the GIL
     # meanwhile; with CPython's default 5 ms switch interval a token the engine

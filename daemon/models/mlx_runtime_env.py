@@ -1,0 +1,38 @@
+"""MLX settings a long-lived daemon needs, put in the environment before MLX reads them.
+
+MLX's CUDA backend keeps its cuDNN attention graphs (one per exact query/key
+shape) and its CUDA graphs in LRU caches, and by default counts every miss
+over the process's lifetime: once the misses pass twice a cache's capacity,
+every further miss raises "Cache thrashing is happening" out of the
+evaluation (mlx/backend/cuda/lru_cache.h, MLX_ENABLE_CACHE_THRASHING_CHECK),
+and a commit that fails that way can leave the stream's encoder unusable. A
+script meets a few shapes; a daemon meets a new one with nearly every cold
+prompt (the last prefill chunk has a new length at a new depth), so after some
+hundreds of distinct prompts every request would fail, on every model, until
+a restart. The caches still evict least-recently-used entries with the check
+off (MLX's own test runner turns it off the same way); bench/cuda_cache_fuse.py
+shows both on a GPU.
+
+An operator's own value is kept. MLX reads these when it first builds each
+cache, so setting them before the engine's first GPU pass is enough; the
+daemon does it before importing MLX at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+DAEMON_DEFAULTS = {
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+}
+
+
+def apply_daemon_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set each of DAEMON_DEFAULTS the environment lacks; returns what was set (for the start-up log)."""
+    applied = {}
+    for name, value in DAEMON_DEFAULTS.items():
+        if name not in environ:
+            environ[name] = value
+            applied[name] = value
+    return applied
