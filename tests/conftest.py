@@ -59,6 +59,18 @@ def tiny_gemma3_dir(tiny_models_root) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tiny_models_root) -> Path:
+    """A random-weight Qwen3 MoE (8 experts, 2 per token; KVCache only)."""
+    return ensure_tiny_model("qwen3_moe", tiny_models_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba_dir(tiny_models_root) -> Path:
+    """A random-weight Mamba (pure SSM: ArraysCache layers only, no attention)."""
+    return ensure_tiny_model("mamba", tiny_models_root)
+
+
+@pytest.fixture(scope="session")
 def tiny_tools_dir(tiny_llama_dir, tiny_models_root) -> Path:
     """The tiny llama with <tool_call>/</tool_call> special tokens and a Hermes-style tools template (json_tools)."""
     return ensure_tools_model(tiny_llama_dir, tiny_models_root)

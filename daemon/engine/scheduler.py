@@ -35,6 +35,7 @@ from .prefill import last_token_logits, make_sequence, prefill_step, start_prefi
 from .sequence_state import Phase, SequenceState
 from .shadow_checker import ShadowChecker
 from .shadow_run import ShadowOutcome
+from .ssm_answers import store_replayed_answer
 
 log = structlog.get_logger("prefixd.scheduler")
 
@@ -415,7 +416,9 @@ class Scheduler:
         fault_point("store_answer")
         layout = seq.loaded.layout
         if not layout.attention_layers:
-            return  # no offset to read the depth from
+            if layout.state_layers:  # pure SSM: no offset to read the depth from, so the answer is run again
+                store_replayed_answer(seq, self.store, self.chunk_size)
+            return
         depth = cache[layout.attention_layers[0]].offset
         tokens = seq.all_tokens()[:depth]
         if len(tokens) != depth:

@@ -23,7 +23,7 @@ RELATIVE_TOLERANCE = 1e-4
 SOURCE_TEXT = (__import__("inspect").getsource(__import__("argparse")))[:40000]
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "smollm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "qwen3_moe", "mamba", "smollm2"])
 def loaded(request):
     if request.param == "smollm2":
         directory = request.getfixturevalue("smollm2_dir")
@@ -169,4 +169,27 @@ def test_two_sessions_interleaved_on_a_shared_system_prompt(loaded):
             if (name, turn) != ("a", 0):
                 assert cached["cache"]["reused_tokens"] > 0
             messages.append({"role": "assistant", "content": cached["text"]})
+    store.check_integrity()
+
+
+def stored_sequences(store: PrefixStore, namespace: str) -> list[list[int]]:
+    """Every root-to-edge token sequence the store holds for a model."""
+    full: dict[int, list[int]] = {}
+    for edge in store.edges(namespace):
+        full[edge.edge_id] = (full[edge.parent_id] if edge.parent_id is not None else []) + list(edge.key)
+    return list(full.values())
+
+
+def test_the_answer_is_stored_and_the_next_turn_resumes_after_it(loaded):
+    tokens = prompt_tokens(loaded, 300)
+    store = make_store()
+    first = run(loaded, store, tokens=tokens, max_tokens=12)
+    deepest = max(stored_sequences(store, loaded.fingerprint), key=len)
+    assert deepest[:len(tokens)] == tokens
+    assert len(deepest) >= len(tokens) + first["usage"]["completion_tokens"] - 1  # the answer, stored
+    follow_up = deepest + tokens[:40]
+    cached = run(loaded, store, tokens=follow_up, max_tokens=12)
+    plain = run(loaded, store, tokens=follow_up, max_tokens=12, use=False)
+    assert cached["text"] == plain["text"]
+    assert cached["cache"]["reused_tokens"] == len(deepest) and cached["cache"]["checkpoint"] == "answer-end"
     store.check_integrity()

@@ -9,7 +9,9 @@ tokenizer) without any network access. We build them from scratch:
   template;
 * a config.json for an architecture mlx-lm already knows ("llama": KVCache
   only; "lfm2": ArraysCache conv layers + KVCache attention layers;
-  "gemma3": RotatingKVCache sliding-window layers + KVCache global layers),
+  "gemma3": RotatingKVCache sliding-window layers + KVCache global layers;
+  "qwen3_moe": a mixture of experts, KVCache only; "mamba": pure SSM,
+  ArraysCache only),
   with weights drawn under a fixed seed.
 
 The weights are random, so generated text is gibberish, but the shapes,
@@ -194,7 +196,40 @@ def model_config(kind: str, vocab_size: int, eos_id: int) -> dict:
             "rope_theta": 1000000.0,
             "rope_local_base_freq": 10000.0,
         }
-    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'llama', 'lfm2' or 'gemma3'")
+    if kind == "qwen3_moe":
+        # A mixture of experts: 8 experts, 2 routed per token, on every layer (decoder_sparse_step 1).
+        return {
+            **common,
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 3,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "head_dim": HIDDEN // HEADS,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": True,
+        }
+    if kind == "mamba":
+        # Pure SSM: every layer a Mamba block (conv + selective scan state, ArraysCache), no attention at all.
+        common = {key: value for key, value in common.items() if key not in ("num_attention_heads", "num_key_value_heads")}
+        return {
+            **common,
+            "model_type": "mamba",
+            "num_hidden_layers": 4,
+            "intermediate_size": 2 * HIDDEN,
+            "state_size": 16,
+            "conv_kernel": 4,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "time_step_rank": HIDDEN // 16,
+            "tie_word_embeddings": True,
+        }
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'llama', 'lfm2', 'gemma3', 'qwen3_moe' or 'mamba'")
 
 
 def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
