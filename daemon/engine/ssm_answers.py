@@ -9,8 +9,8 @@ prompt (its last-but-one token, stored by the prefill), run the prompt's rest
 and the whole answer in passes of ``chunk_size`` tokens, as a cold prefill of
 the next turn would, and store the state after them as the ``answer-end``
 checkpoint. It costs one prefill of the answer's length at the end of the
-request (a pure SSM pass is linear in its length); the reply has gone out
-before it runs. Engine thread only.
+request (a pure SSM pass is linear in its length), before the reply goes out,
+as every answer's store does. Engine thread only.
 """
 
 from __future__ import annotations

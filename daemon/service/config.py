@@ -94,6 +94,13 @@ def fraction(value: Any) -> float:
     return share
 
 
+def keep_alive(value: Any) -> float:
+    """How long an idle model stays loaded, as Ollama spells it ("5m", seconds; negative: for good)."""
+    from ...protocol.keep_alive import parse_keep_alive
+
+    return parse_keep_alive(value)
+
+
 def choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in choices:
@@ -171,6 +178,8 @@ OPTIONS: dict[str, Option] = {
         Option("disk_save_interval", number(1), 60.0),
         Option("prefill_chunk", integer(16), None, "512 on a CPU, 2048 on a GPU (where one pass of 2k tokens costs little more than one of 512)"),
         Option("max_active", integer(1), 16),
+        Option("keep_alive", keep_alive, -1.0, "negative: every model stays loaded once used; e.g. 5m (Ollama's default) unloads one idle that long"),
+        Option("max_model_memory", parse_size, 0, "0: no limit; otherwise the least recently used idle model unloads to make room"),
         Option("shadow_rate", fraction, 0.05),
         Option("shadow_action", choice("log", "stop-reuse"), "log"),
         Option("attention", choice("auto", "fused", "matmul"), "auto", "auto: matmul for short multi-token passes on a CUDA GPU, fused elsewhere"),

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disk-save-interval", type=float, help="seconds between saves of what changed (default 60; also saved at shutdown)")
     parser.add_argument("--prefill-chunk", type=int, help="prefill chunk size in tokens, at least 16; every chunk end is a cache checkpoint (default 512 on a CPU, 2048 on a GPU)")
     parser.add_argument("--max-active", type=int, help="sequences prefilling or decoding at once; the rest queue (default 16)")
+    parser.add_argument("--keep-alive", help="how long a model stays loaded once idle, unless a request says: seconds or a "
+                        "duration such as 5m; 0 unloads it after each request; negative keeps it (default -1: for good)")
+    parser.add_argument("--max-model-memory", type=parse_size, help="the loaded models' weights together; loading one more "
+                        "unloads the least recently used idle ones first (default 0: no limit)")
     parser.add_argument("--shadow-rate", type=float, help="share of greedy cache hits the shadow check re-runs without the cache, "
                         "when the engine is idle, to prove the cache gives the same output (default 0.05; 0: off)")
     parser.add_argument("--shadow-action", choices=["log", "stop-reuse"], help="when a shadow check finds a difference: "
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_nodes=args.cache_entries,
         pinned_bytes=args.pinned_bytes,
         max_active=args.max_active,
+        keep_alive_s=args.keep_alive,
+        max_model_bytes=args.max_model_memory,
         shadow_rate=args.shadow_rate,
         shadow_action=args.shadow_action,
         attention=args.attention,
