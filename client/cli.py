@@ -89,7 +89,7 @@ def _make_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="daemon and cache statistics")
     stats.add_argument("--json", action="store_true")
     sub.add_parser("ping", help="check that the daemon answers")
-    models = sub.add_parser("models", help="list the loaded models (* = default)")
+    models = sub.add_parser("models", help="list the configured models, which are loaded and until when (* = default)")
     models.add_argument("--json", action="store_true")
     tok = sub.add_parser("tokenize", help="show the token ids of a text")
     tok.add_argument("text")

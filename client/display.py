@@ -7,6 +7,7 @@ function tolerates missing keys: a newer or older daemon must not crash it.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 _HIT_LABELS = {"exact": "exact hit", "partial": "partial hit", "miss": "miss", "off": "off"}
@@ -62,16 +63,29 @@ def describe_miss(cache: dict[str, Any]) -> str | None:
 
 
 def format_models(result: dict[str, Any]) -> str:
-    """One line per model; the default one is starred."""
+    """One line per configured model, with whether it is loaded now; the default one is starred."""
     lines = []
     for model in result.get("models") or []:
         mark = "*" if model.get("default") else " "
         kind = "hybrid" if model.get("hybrid") else "kv"
         lines.append(
             f"{mark} {model.get('name')}  ctx {_count(model.get('context_length'))}  {model.get('dtype')}  "
-            f"{kind}  {model.get('path')}"
+            f"{kind}  {_residency(model)}  {model.get('path')}"
         )
-    return "\n".join(lines) if lines else "(no models loaded)"
+    return "\n".join(lines) if lines else "(no models configured)"
+
+
+def _residency(model: dict[str, Any]) -> str:
+    """'loaded 513 MiB, until 14:05:09' / 'loaded 513 MiB, kept' / 'not loaded' (older daemons say neither)."""
+    if "loaded" not in model:
+        return "loaded"  # a daemon from before models on demand loads every model at start
+    if not model["loaded"]:
+        return "not loaded"
+    size = f"loaded {model.get('resident_bytes', 0) / (1 << 20):.0f} MiB"
+    expires_at = model.get("expires_at")
+    if expires_at is None:
+        return f"{size}, in use" if model.get("active_jobs") else f"{size}, kept"
+    return f"{size}, until {time.strftime('%H:%M:%S', time.localtime(expires_at))}"
 
 
 def format_stats(stats: dict[str, Any]) -> str:

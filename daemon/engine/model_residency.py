@@ -29,6 +29,7 @@ engine, a grammar thread or the loop may emit the end), under one lock.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -52,7 +53,7 @@ class _Slot:
     keep_alive: float  # seconds an idle model stays; negative: for good
     loaded: LoadedModel | None = None
     loaded_at: float | None = None  # wall clock, for listings
-    last_used: float = 0.0  # monotonic: the least recently used goes first
+    last_used: int = 0  # a use count, not a time: the least recently used goes first, ties impossible
     idle_since: float | None = None  # monotonic; None while a job pins it
     num_jobs: int = 0  # queued or running jobs naming this model
 
@@ -82,6 +83,7 @@ class ModelResidency:
         self.max_bytes = max_bytes  # 0: no limit
         self._clock = clock
         self._lock = threading.Lock()
+        self._uses = itertools.count(1)
         self._parked: deque[tuple[GenerateJob, str]] = deque()  # (job, its model): waiting for pinned models to make room
 
     # -- any thread ------------------------------------------------------------------------
@@ -103,6 +105,7 @@ class ModelResidency:
                 released.set()
                 slot.num_jobs -= 1
                 slot.keep_alive = keep_alive
+                slot.last_used = next(self._uses)  # a request that just ended counts as the latest use
                 if not slot.num_jobs:
                     slot.idle_since = self._clock()
 
@@ -128,7 +131,7 @@ class ModelResidency:
         if job.cancelled.is_set():
             return True  # the scheduler answers it
         if slot.loaded is not None:
-            slot.last_used = self._clock()
+            slot.last_used = next(self._uses)
             return True
         try:
             if not self._make_room(slot):
@@ -169,7 +172,7 @@ class ModelResidency:
                 raise RpcError(ErrorCode.OVERLOADED, f"model {name} does not fit beside the models serving requests "
                                                      f"now (--max-model-memory {self.max_bytes} bytes); retry later")
             self._load_slot(slot)
-        slot.last_used = self._clock()
+        slot.last_used = next(self._uses)
         with self._lock:
             if not slot.num_jobs:
                 slot.idle_since = self._clock()
@@ -262,7 +265,7 @@ class ModelResidency:
             log.warning("model_changed_on_disk", model=entry.name, fingerprint_at_start=entry.fingerprint,
                         fingerprint_now=loaded.fingerprint)
         slot.loaded, slot.loaded_at = loaded, time.time()
-        slot.last_used = self._clock()
+        slot.last_used = next(self._uses)
         with self._lock:
             if not slot.num_jobs:
                 slot.idle_since = self._clock()
