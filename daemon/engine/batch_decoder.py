@@ -91,14 +91,16 @@ def sample_first(seq: SequenceState, logits: mx.array) -> int:
 class BatchDecoder:
     """The decode batch of one model."""
 
-    def __init__(self, model: Any, eos_token_ids: frozenset[int]):
-        # A stream made on this (the engine) thread: MLX streams are thread-bound.
+    def __init__(self, model: Any, eos_token_ids: frozenset[int], stream: Any = None):
+        # A stream made on this (the engine) thread: MLX streams are thread-bound. Ranks in
+        # lock-step pass the one stream every other pass and collective runs on, so that each
+        # rank's collectives run in program order (on two streams they could pair up wrongly).
         self._generator = BatchGenerator(
             model,
             sampler=greedy,
             completion_batch_size=MAX_BATCH,
             prefill_batch_size=MAX_BATCH,
-            stream=mx.new_stream(mx.default_device()),
+            stream=stream if stream is not None else mx.new_stream(mx.default_device()),
         )
         self._stop = StopSequences([[token] for token in sorted(eos_token_ids)])
         self._by_uid: dict[int, SequenceState] = {}

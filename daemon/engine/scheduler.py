@@ -69,6 +69,7 @@ class Scheduler:
         self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=self.reserve_side)
         # A decision taken from this process's clock; ranks in lock-step all take rank 0's (distributed/).
         self.agree: Callable[[bool], bool] = lambda decision: decision
+        self.decode_stream: Any = None  # None: each decode batch gets a stream of its own (batch_decoder.py)
 
     # -- admission --------------------------------------------------------------------
 
@@ -386,7 +387,8 @@ class Scheduler:
     def _decoder_for(self, seq: SequenceState) -> BatchDecoder:
         decoder = self._decoders.get(seq.loaded.name)
         if decoder is None:
-            decoder = self._decoders[seq.loaded.name] = BatchDecoder(seq.loaded.model, seq.loaded.eos_token_ids)
+            decoder = self._decoders[seq.loaded.name] = BatchDecoder(seq.loaded.model, seq.loaded.eos_token_ids,
+                                                                     stream=self.decode_stream)
         return decoder
 
     # -- the end of a sequence ------------------------------------------------------------

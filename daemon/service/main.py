@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     parser.add_argument("--status-interval", type=float, help="seconds between systemd STATUS= updates under Type=notify (default 5)")
     http_options.add_arguments(parser)  # --http, --http-socket, --http-token-file, --allow-uid
+    parser.add_argument("--ranks", type=int, help="run N ranks on this machine through mlx.launch, each with its shard of the model (default 1)")
+    parser.add_argument("--distributed-backend", choices=["any", "ring", "nccl", "jaccl", "mpi"], help="MLX's backend between ranks (default any: what mlx.launch set up)")
+    parser.add_argument("--rank-timeout", type=float, help="seconds an engine iteration may take before the ranks are declared stuck (default 60)")
     return parser
 
 
@@ -103,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         print(f"prefixd: no model to serve: pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
         return 2
+    from ..distributed.settings import DistributedStartError, launcher_rank, started_by_launcher
+
+    if args.ranks > 1 and not started_by_launcher():
+        from .ranks import launch_ranks
+
+        launch_ranks(args.ranks, args.distributed_backend, argv)
     blas = preload_blas()  # before anything imports mlx
     mlx_defaults = apply_daemon_defaults()  # before MLX builds its CUDA caches (models/mlx_runtime_env.py)
     from ..engine.settings import EngineSettings
@@ -152,12 +161,24 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
+    rank_engine = None
+    if started_by_launcher():  # one rank of several (daemon/distributed/)
+        from ..distributed.follower import run_follower
+        from .ranks import distributed_engine
+
+        try:
+            rank_engine = distributed_engine(settings, args)
+        except ValueError as exc:
+            print(f"prefixd: {exc}", file=sys.stderr)
+            return 2
+        if launcher_rank() != 0:
+            exit_now(run_follower(rank_engine))
     try:
-        code = runner(DaemonServer(settings).run())
+        code = runner(DaemonServer(settings, rank_engine).run())
     except SocketInUse as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError) as exc:  # a missing model, a busy --http port, a slow load
+    except (OSError, TimeoutError, DistributedStartError) as exc:  # a missing model, a busy --http port, a slow load
         print(f"prefixd: {exc}", file=sys.stderr)
         return 1
     exit_now(code)

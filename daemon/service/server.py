@@ -56,9 +56,9 @@ class ServerSettings:
 
 
 class DaemonServer:
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: ServerSettings, engine: Engine | None = None):
         self.settings = settings
-        self.engine = Engine(settings.engine)
+        self.engine = engine or Engine(settings.engine)  # a rank of several passes its own (service/ranks.py)
         self.handlers = Handlers(self.engine)
         self.connections: set[Connection] = set()
         self._stop_requested = asyncio.Event()

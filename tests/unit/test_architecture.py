@@ -13,7 +13,7 @@ import pytest
 
 DAEMON = Path(__file__).resolve().parents[2] / "daemon"
 PACKAGE = "prefixd.daemon"
-PARTS = ("front", "engine", "cache", "kv", "persist", "models", "service")
+PARTS = ("front", "engine", "cache", "kv", "persist", "models", "service", "distributed")
 
 
 def module_name(path: Path) -> str:

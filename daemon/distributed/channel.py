@@ -1,0 +1,81 @@
+"""The collectives the ranks speak through: MLX's own (``mx.distributed``), nothing home-made.
+
+Rank 0 broadcasts bytes as mlx-lm's server does: an ``all_sum`` in which
+every other rank contributes zeros. Engine thread only (MLX streams belong to
+the thread that made them). A collective that fails means a rank is gone
+(the ring backend raises "connection to a peer was lost" within about a
+second of a peer exiting); it becomes ``RankLost``. A collective that never
+returns (a rank that stopped answering) is the watchdog's (watchdog.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class RankLost(BaseException):
+    """A collective failed: another rank exited or lost its connection.
+
+    A BaseException on purpose: the engine's loop recovers from an Exception
+    by failing the running requests and going on, which cannot help once the
+    ranks can no longer agree; this ends the engine (every request gets
+    ENGINE_DEAD, the daemon exits 1).
+    """
+
+
+class RanksDiverged(RankLost):
+    """The ranks' engine states differ: their KV shards no longer belong to the same requests."""
+
+
+class Channel:
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def exchange(self, payload: bytes | None, digest: int) -> tuple[bytes, list[int]]:
+        """Rank 0's ``payload`` on every rank, and every rank's ``digest`` (a 62-bit state summary).
+
+        Two collectives: the header (rank 0's payload size, then one slot per
+        rank for its digest) and the payload itself.
+        """
+        header = [0] * (1 + self.size)
+        if self.is_leader:
+            header[0] = len(payload or b"")
+        header[1 + self.rank] = digest & ((1 << 62) - 1)
+        summed = self._run(mx.distributed.all_sum(mx.array(header, dtype=mx.int64), group=self.group)).tolist()
+        size, digests = int(summed[0]), [int(d) for d in summed[1:]]
+        if size == 0:
+            return b"", digests
+        if self.is_leader:
+            data = mx.array(memoryview(payload), dtype=mx.uint8)
+        else:
+            data = mx.zeros((size,), dtype=mx.uint8)
+        return bytes(memoryview(self._run(mx.distributed.all_sum(data, group=self.group)))), digests
+
+    def agree(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank: a decision rank 0 takes from its own clock."""
+        mine = value if self.is_leader else 0
+        return int(self._run(mx.distributed.all_sum(mx.array([mine], dtype=mx.int64), group=self.group)).item())
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, in rank order, on every rank."""
+        sizes = self._run(mx.distributed.all_gather(mx.array([len(payload)], dtype=mx.int32), group=self.group))
+        sizes = [int(s) for s in sizes.tolist()]
+        width = max(max(sizes), 1)
+        padded = bytes(payload) + b"\0" * (width - len(payload))
+        rows = self._run(mx.distributed.all_gather(mx.array(memoryview(padded), dtype=mx.uint8)[None], group=self.group))
+        flat = bytes(memoryview(rows.reshape(-1)))
+        return [flat[r * width : r * width + sizes[r]] for r in range(self.size)]
+
+    def _run(self, array: mx.array) -> mx.array:
+        try:
+            mx.eval(array)
+        except RuntimeError as exc:
+            raise RankLost(f"rank {self.rank} of {self.size}: a collective failed ({exc}); another rank "
+                           "exited or lost its connection") from exc
+        return array

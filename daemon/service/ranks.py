@@ -1,0 +1,45 @@
+"""One daemon across several processes (ranks): ``prefixd serve --ranks N`` and a rank's own start.
+
+``--ranks N`` (N > 1) in a process that mlx.launch did not start replaces it
+with ``mlx.launch -n N`` running the same command line on N local ranks; on
+several machines or GPUs run mlx.launch yourself with a hostfile (README,
+*Several processes*). In a process mlx.launch started, the engine is the
+lock-step one (daemon/distributed/): rank 0 serves, the others follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ..distributed.lockstep import LockstepEngine
+from ..distributed.settings import DistributedSettings
+from .server import ServerSettings
+
+
+def launch_ranks(num_ranks: int, backend: str, argv: list[str]) -> None:
+    """Become ``mlx.launch`` running this same command on ``num_ranks`` local ranks (never returns)."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    launcher = str(launcher) if launcher.is_file() else shutil.which("mlx.launch")
+    if launcher is None:
+        raise FileNotFoundError("--ranks needs MLX's launcher, mlx.launch, beside this Python or on PATH")
+    backend_args = [] if backend == "any" else ["--backend", backend]
+    os.execv(launcher, [launcher, "-n", str(num_ranks), *backend_args, "--python", sys.executable,
+                        "-m", "prefixd.daemon", *argv])
+
+
+def distributed_engine(settings: ServerSettings, args: argparse.Namespace) -> LockstepEngine:
+    """This rank's engine; refuses what does not work across ranks yet, with a message saying so."""
+    if settings.disk_cache is not None:
+        raise ValueError("--disk-cache-bytes is not available on a daemon spanning several ranks yet "
+                         "(each rank holds its own shard of every KV entry); leave it at 0")
+    # The shadow check re-runs prompts whenever this rank is idle, outside the lock-step: off.
+    # Models load at start and stay (distributed/lockstep.py): no keep-alive, no model-memory limit.
+    engine_settings = dataclasses.replace(settings.engine, shadow_rate=0.0, keep_alive_s=-1.0, max_model_bytes=0)
+    return LockstepEngine(engine_settings, DistributedSettings(
+        backend=args.distributed_backend, rank_timeout_seconds=args.rank_timeout,
+        load_timeout_seconds=settings.load_timeout_seconds))

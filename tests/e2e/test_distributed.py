@@ -1,0 +1,173 @@
+"""One prefixd across several ranks (mlx.launch, ring backend over loopback, CPU), seen from its clients.
+
+What a user notices: the same greedy answers as one process, a repeated
+prompt reused whole with the same answer, the cache map in every reply,
+concurrent sessions and cancellation as on one process; a rank that dies
+ends the daemon with a clear error within seconds; a rank started with
+another model is refused at start; a model whose heads do not divide over
+the ranks is refused with the rank counts that would work.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.daemon_process import DaemonProcess, RawConnection, daemon_command
+from tests.e2e.ranked_daemon import RankedDaemon, mlx_launcher
+from tests.support.tiny_models import ensure_tiny_model
+
+pytestmark = pytest.mark.skipif(not Path(mlx_launcher()).is_file(), reason="mlx.launch is not installed")
+
+ENGINE_DEAD = -32009
+LONG_PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 24
+REQUESTS = [
+    {"prompt": "The quick brown fox", "max_tokens": 16},
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}],
+     "max_tokens": 16, "stream": True},
+    {"prompt": LONG_PROMPT, "max_tokens": 8},  # more than one 512-token prefill chunk
+    {"prompt": LONG_PROMPT + "# and now something else", "max_tokens": 8},  # a partial hit on the one before
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_llama_dir, tmp_path_factory):
+    with DaemonProcess([tiny_llama_dir], tmp_path_factory.mktemp("one")) as daemon:
+        yield daemon
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_llama_dir, tmp_path_factory):
+    with RankedDaemon([tiny_llama_dir], tmp_path_factory.mktemp("two"), num_ranks=2) as daemon:
+        yield daemon
+
+
+def generate(conn: RawConnection, params: dict) -> dict:
+    chunks, response = conn.reply(conn.request("generate", params))
+    assert response[2] is None, response[2]
+    result = response[3]
+    if params.get("stream"):
+        assert "".join(chunk["text"] for chunk in chunks) == result["text"]
+    return result
+
+
+def test_two_ranks_answer_as_one_process_and_reuse_the_cache_the_same_way(one_process, two_ranks):
+    with RawConnection(one_process.socket_path) as one, RawConnection(two_ranks.socket_path) as two:
+        for params in REQUESTS:
+            expected, got = generate(one, params), generate(two, params)
+            assert got["text"] == expected["text"]
+            assert got["cache"] == {**expected["cache"], "age_s": got["cache"]["age_s"],
+                                    "saved_ms_est": got["cache"]["saved_ms_est"]}
+            again = generate(two, params)
+            assert again["text"] == got["text"]
+            assert again["cache"]["hit"] == "exact"
+            assert again["cache"]["reused_tokens"] == again["cache"]["prompt_tokens"] - 1
+        assert got["cache"]["hit"] == "partial" and got["cache"]["reused_tokens"] >= 512  # the last one
+        stats = two.result("stats")
+        assert stats["cache"]["total"]["num_sequences"] >= 3
+        assert stats["requests"]["failed"] == 0
+
+
+def test_sampling_is_the_same_on_every_rank(one_process, two_ranks):
+    seeded = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 11}
+    unseeded = {"prompt": "In a land far away", "max_tokens": 24, "temperature": 1.0}
+    with RawConnection(one_process.socket_path) as one, RawConnection(two_ranks.socket_path) as two:
+        assert generate(two, seeded)["text"] == generate(one, seeded)["text"]
+        # Unseeded draws come from MLX's global generator: a rank that drew otherwise would
+        # feed another token and the ranks' digests would differ (the daemon would stop).
+        for _ in range(2):
+            assert generate(two, unseeded)["cache"]["prompt_tokens"] > 0
+        assert two.result("stats")["requests"]["failed"] == 0
+
+
+def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
+    system = {"role": "system", "content": "You answer questions about caches, briefly. " * 8}
+    sessions = [{"messages": [system, {"role": "user", "content": f"Question number {i}?"}], "max_tokens": 20}
+                for i in range(4)]
+    with RawConnection(one_process.socket_path) as one:
+        expected = [generate(one, params)["text"] for params in sessions]
+    conns = [RawConnection(two_ranks.socket_path) for _ in sessions]
+    try:
+        victim_conn = RawConnection(two_ranks.socket_path)
+        victim = victim_conn.request("generate", {"prompt": "a request that is cancelled", "max_tokens": 4000,
+                                                  "stream": True})
+        victim_conn.read()  # its first chunk: it runs
+        msgids = [conn.request("generate", params) for conn, params in zip(conns, sessions)]
+        assert victim_conn.result("cancel", {"id": victim}) == {"cancelled": True}
+        _, cancelled = victim_conn.reply(victim)
+        assert cancelled[2] is None and cancelled[3]["finish_reason"] == "cancelled"
+        assert cancelled[3]["usage"]["completion_tokens"] < 4000
+        answers = [conn.reply(msgid)[1] for conn, msgid in zip(conns, msgids)]
+        assert [answer[3]["text"] for answer in answers] == expected
+        pinned = victim_conn.result("cache.pin", {"messages": [system], "add_generation_prompt": False})
+        assert pinned["pinned_tokens"] > 0  # a store change made on every rank
+        stats = victim_conn.result("stats")
+        assert stats["requests"]["cancelled"] >= 1 and stats["requests"]["active"] == 0
+        assert stats["cache"]["total"]["pinned_bytes"] > 0
+    finally:
+        for conn in conns:
+            conn.close()
+        victim_conn.close()
+
+
+def test_killing_a_rank_ends_the_daemon_with_a_clear_error(tiny_llama_dir, tmp_path):
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "killed", num_ranks=2)
+    daemon.start()
+    try:
+        with RawConnection(daemon.socket_path, timeout=20) as conn:
+            msgid = conn.request("generate", {"prompt": "a long answer", "max_tokens": 4000, "stream": True})
+            conn.read()  # it runs
+            killed_at = time.monotonic()
+            daemon.kill_rank(1)
+            _, response = conn.reply(msgid)
+        assert response[2] is not None, "the request finished although a rank died"
+        # The pass that met the lost peer fails its request with MLX's words; any later one gets ENGINE_DEAD.
+        assert response[2]["code"] == ENGINE_DEAD or "connection to a peer was lost" in response[2]["message"]
+        assert time.monotonic() - killed_at < 15
+        daemon.wait(timeout=30)  # rank 0 exits (mlx.launch stops the other ranks when one fails), then the launcher
+        assert not daemon.answers_ping()
+    finally:
+        daemon.kill()
+
+
+def test_a_rank_with_another_model_is_refused_at_start(tiny_llama_dir, tmp_path):
+    other = ensure_tiny_model("llama", tmp_path / "other", seed=1)  # the same shapes, other weights
+    wrapper = tmp_path / "rank_with_other_model.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        f"if os.environ['MLX_RANK'] == '1':\n    sys.argv = [{str(other)!r} if a == {str(tiny_llama_dir)!r} else a for a in sys.argv]\n"
+        "runpy.run_module('prefixd.daemon', run_name='__main__')\n")
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "mismatch", num_ranks=2)
+    command = daemon_command([tiny_llama_dir], daemon.socket_path, ["--rank-timeout", "30"])
+    daemon.args = daemon.args[: daemon.args.index("--python") + 2] + [str(wrapper), *command[3:]]
+    with pytest.raises(RuntimeError, match="exited"):
+        daemon.start(timeout=60)
+    log = daemon.stderr_text()
+    assert "the 2 ranks differ after loading: models" in log
+    daemon.kill()
+
+
+def test_smollm2_does_not_split_over_two_ranks_and_says_what_would(smollm2_dir, tmp_path):
+    daemon = RankedDaemon([smollm2_dir], tmp_path / "smol2", num_ranks=2)
+    with pytest.raises(RuntimeError, match="exited"):
+        daemon.start(timeout=120)
+    assert "num_attention_heads = 9 does not divide over 2 ranks" in daemon.stderr_text()
+    assert "rank counts that work for this model: 3" in daemon.stderr_text()
+    daemon.kill()
+
+
+def test_smollm2_on_three_ranks_answers_as_one_process(smollm2_dir, tmp_path):
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 10}
+    with DaemonProcess([smollm2_dir], tmp_path / "smol1") as single:
+        with RawConnection(single.socket_path, timeout=60) as conn:
+            expected = generate(conn, chat)
+    with RankedDaemon([smollm2_dir], tmp_path / "smol3", num_ranks=3) as ranked:
+        with RawConnection(ranked.socket_path, timeout=120) as conn:
+            got = generate(conn, chat)
+            again = generate(conn, chat)
+    assert "Paris" in expected["text"]
+    assert got["text"] == expected["text"] and again["text"] == expected["text"]
+    assert again["cache"]["hit"] == "exact"
