@@ -297,7 +297,7 @@ class Engine:
         self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         # Every model is described (tokenizer, layout, size: no weights read); only the default one loads now.
-        self.catalog = describe_models(self.settings.model_specs, self.settings.dtype)
+        self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs)
         self.cards = {name: entry.card for name, entry in self.catalog.items()}
         self.model_names = tuple(self.catalog)
         self.default_model = self.model_names[0] if self.model_names else None

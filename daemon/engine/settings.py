@@ -21,6 +21,7 @@ class EngineSettings:
     attention: str = "auto"  # short multi-token passes: auto, fused or matmul (models/tail_attention.py)
     keep_alive_s: float = -1.0  # an idle model stays loaded this long (negative: for good); requests may say otherwise
     max_model_bytes: int = 0  # loaded models' weights together; 0: no limit (engine/model_residency.py)
+    found_model_specs: tuple[str, ...] = ()  # found in --models-dir: served after model_specs, skipped if unservable
 
 
 CPU_PREFILL_CHUNK = 512

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
+import structlog
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
@@ -27,6 +28,8 @@ from mlx_lm.utils import load_tokenizer
 from ..kv.layout import CacheLayout, make_cache_layout
 from .loaded_model import ModelCard, _context_length, model_fingerprint, refuse_unbatchable, resolve_model_path
 from .prompt_encoding import PromptEncoder
+
+log = structlog.get_logger("prefixd.models")
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,26 @@ class CatalogEntry:
         }
 
 
-def describe_models(specs: Iterable[str], dtype: str) -> dict[str, CatalogEntry]:
-    """Every configured model by name, in order (a repeated name gets a ``-N`` suffix, as before)."""
+def describe_models(specs: Iterable[str], dtype: str, found_specs: Iterable[str] = ()) -> dict[str, CatalogEntry]:
+    """Every configured model by name, in order (a repeated name gets a ``-N`` suffix, as before).
+
+    ``specs`` (``--model``) must all be servable: the first that is not raises.
+    ``found_specs`` (found in ``--models-dir``) come after them; one that is
+    not servable is logged and passed over, and one already among ``specs``
+    (the same directory) is not listed twice.
+    """
     entries: dict[str, CatalogEntry] = {}
     for spec in specs:
         entry = describe_model(spec, dtype, taken=entries)
+        entries[entry.name] = entry
+    for spec in found_specs:
+        if any(entry.path == Path(spec).resolve() for entry in entries.values()):
+            continue
+        try:
+            entry = describe_model(spec, dtype, taken=entries)
+        except Exception as exc:  # a folder of models may hold one the engine cannot serve: the others still are
+            log.warning("model_skipped", path=spec, error=f"{type(exc).__name__}: {exc}")
+            continue
         entries[entry.name] = entry
     return entries
 

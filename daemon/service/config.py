@@ -168,6 +168,7 @@ OPTIONS: dict[str, Option] = {
     option.key: option
     for option in (
         Option("model", list_of(text), [], "required: model directories or cached Hugging Face ids"),
+        Option("models_dir", path, None, "off; every model directory in it is served too, loaded on first use"),
         Option("socket", path, None, "$XDG_RUNTIME_DIR/prefixd/prefixd.sock, else /tmp/prefixd-$UID/ (macOS: ~/Library/Caches/prefixd/)"),
         Option("dtype", choice("auto", "float32", "float16", "bfloat16"), "auto"),
         Option("cache_bytes", parse_size, None, "a quarter of RAM, at most 8G"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..front import http_options
 from ..models.blas import preload_blas
+from ..models.model_dirs import find_model_dirs
 from ..models.mlx_runtime_env import apply_daemon_defaults
 from .config import ConfigError, explicit_flags, load_config
 from .config import parse_size as parse_size_value
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, help="config file (default: $PREFIXD_CONFIG or $XDG_CONFIG_HOME/prefixd/config.toml)")
     parser.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "json"], help="print the effective configuration and where each value came from, then exit")
     parser.add_argument("--model", action="append", help="MLX model directory or a locally cached Hugging Face id; repeat to load several (the first is the default); required here, in $PREFIXD_MODEL or in the config file")
+    parser.add_argument("--models-dir", type=Path, help="serve every model directory in this folder too (after the --model "
+                        "ones; the first --model, else the folder's first by name, is the default), each loaded on first use")
     parser.add_argument("--socket", type=Path, help=f"Unix socket path (default: $PREFIXD_SOCKET or {default_socket_path()})")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="cast unquantized weights (default auto: float32 on a Linux CPU, where it is the fast path)")
     parser.add_argument("--cache-bytes", type=parse_size, help="prefix-cache budget (default: a quarter of RAM, at most 8G)")
@@ -103,8 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         print(config.to_json() if parsed.print_config == "json" else config.to_toml(), end="")
         return 0
     args = config.namespace(parsed)
-    if not args.model:
-        print(f"prefixd: no model to serve: pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
+    try:
+        found_models = find_model_dirs(args.models_dir) if args.models_dir is not None else []
+    except FileNotFoundError as exc:
+        print(f"prefixd: {exc} (models_dir, from {config.sources['models_dir']})", file=sys.stderr)
+        return 2
+    if not args.model and not found_models:
+        where = f"no model directory in {args.models_dir}; " if args.models_dir is not None else ""
+        print(f"prefixd: no model to serve: {where}pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
         return 2
     from ..distributed.settings import DistributedStartError, launcher_rank, started_by_launcher
 
@@ -132,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_bytes = args.cache_bytes
     engine = EngineSettings(
         model_specs=tuple(args.model),
+        found_model_specs=tuple(found_models),
         dtype=resolve_dtype(args.dtype),
         prefill_chunk=args.prefill_chunk,
         cache_bytes=cache_bytes,

@@ -130,3 +130,24 @@ def test_a_model_that_cannot_load_fails_its_request_and_the_daemon_serves_on(sta
         assert gone["code"] == MODEL_LOAD_FAILED and "vanishing" in gone["message"]
         assert not residency(conn)["vanishing"]["loaded"]
         assert ask(conn, "llama")["usage"]["completion_tokens"] > 0  # loads again (it made room for the copy)
+
+
+def test_a_models_dir_serves_every_model_in_it_on_demand(start_daemon, tiny_llama_dir, tiny_lfm2_dir, tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "llama").symlink_to(tiny_llama_dir)
+    (folder / "lfm2").symlink_to(tiny_lfm2_dir)
+    (folder / "notes").mkdir()  # not a model directory: passed over
+    unservable = folder / "unknown-arch"
+    shutil.copytree(tiny_llama_dir, unservable)
+    config = (unservable / "config.json").read_text().replace('"llama"', '"no_such_architecture"')
+    (unservable / "config.json").write_text(config)
+    daemon = start_daemon(models=[tiny_lfm2_dir], extra_args=["--models-dir", str(folder)])
+    with RawConnection(daemon.socket_path) as conn:
+        models = residency(conn)
+        assert list(models) == ["lfm2", "llama"]  # --model first (the default); the folder's lfm2 is the same model
+        assert models["lfm2"]["default"] and models["lfm2"]["loaded"] and not models["llama"]["loaded"]
+        assert ask(conn, "llama")["usage"]["completion_tokens"] > 0
+        assert residency(conn)["llama"]["loaded"]
+    (skipped,) = daemon.events("model_skipped")
+    assert skipped["path"].endswith("unknown-arch") and "no_such_architecture" in skipped["error"]
