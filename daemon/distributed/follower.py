@@ -2,8 +2,11 @@
 
 Its exit status says how the daemon ended: 0 when rank 0 shut down cleanly,
 1 when anything else ended it (a lost rank, a divergence, the watchdog, a
-failed start). SIGINT is ignored: a Ctrl-C in the terminal reaches every
-rank, and rank 0 decides the shutdown and tells the others.
+failed start). SIGINT and SIGTERM are ignored: a Ctrl-C in the terminal, or a
+service manager stopping the whole group, reaches every rank, and rank 0
+decides the shutdown (letting running requests finish) and tells the others.
+A follower whose rank 0 is gone still ends: its next collective fails, or
+the watchdog fires.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ log = structlog.get_logger("prefixd.distributed")
 
 
 def run_follower(engine: LockstepEngine) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     ended = threading.Event()
     engine.on_dead = lambda reason: ended.set()
     engine.start()

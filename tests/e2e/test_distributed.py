@@ -10,7 +10,8 @@ the ranks is refused with the rank counts that would work.
 
 from __future__ import annotations
 
-import sys
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -131,6 +132,37 @@ def test_killing_a_rank_ends_the_daemon_with_a_clear_error(tiny_llama_dir, tmp_p
         assert not daemon.answers_ping()
     finally:
         daemon.kill()
+
+
+def test_a_rank_that_stops_answering_ends_the_daemon_after_the_rank_timeout(tiny_llama_dir, tmp_path):
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "stopped", num_ranks=2, extra_args=["--rank-timeout", "3"])
+    daemon.start()
+    try:
+        with RawConnection(daemon.socket_path, timeout=30) as conn:
+            msgid = conn.request("generate", {"prompt": "a long answer", "max_tokens": 4000, "stream": True})
+            conn.read()  # it runs
+            stopped_at = time.monotonic()
+            os.kill(daemon.rank_pid(1), signal.SIGSTOP)  # alive, silent: no collective fails, they wait
+            _, response = conn.reply(msgid)
+        assert response[2] is not None and response[2]["code"] == ENGINE_DEAD
+        assert "stopped answering" in response[2]["message"]
+        assert time.monotonic() - stopped_at < 15
+        rank0 = daemon.rank_pid(0)
+        deadline = time.monotonic() + 20
+        while _alive(rank0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank0), "rank 0 did not exit after its watchdog fired"
+    finally:
+        daemon.kill()  # SIGKILL reaches the stopped rank too
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+        return stat.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_a_rank_with_another_model_is_refused_at_start(tiny_llama_dir, tmp_path):
