@@ -75,8 +75,10 @@ def test_two_ranks_answer_as_one_process_and_reuse_the_cache_the_same_way(one_pr
 def test_sampling_is_the_same_on_every_rank(one_process, two_ranks):
     seeded = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 11}
     unseeded = {"prompt": "In a land far away", "max_tokens": 24, "temperature": 1.0}
+    constrained = {"prompt": "Call me at", "max_tokens": 24, "constraint": {"regex": "[0-9]{3}-[0-9]{4}"}}
     with RawConnection(one_process.socket_path) as one, RawConnection(two_ranks.socket_path) as two:
         assert generate(two, seeded)["text"] == generate(one, seeded)["text"]
+        assert generate(two, constrained)["text"] == generate(one, constrained)["text"]  # every rank masks alike
         # Unseeded draws come from MLX's global generator: a rank that drew otherwise would
         # feed another token and the ranks' digests would differ (the daemon would stop).
         for _ in range(2):

@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""One daemon on 1 rank and on N ranks (mlx.launch, ring backend over loopback): decode speed and warm TTFT.
+
+    .venv/bin/python bench/distributed.py [--rounds 2] [--max-tokens 24]
+
+Two models, each on one process and then across ranks with tensor
+parallelism (mlx-lm's shard()): the tiny random llama of the tests on 2
+ranks, and SmolLM2-135M-Instruct on 3 (its 9 attention heads do not split
+over 2). Per round, a fresh prompt of about 600 tokens is sent cold (a miss:
+full prefill), then again (an exact hit: one token to run), greedy,
+``max_tokens`` tokens; the figures are the daemon's own timings, median over
+rounds: cold TTFT, warm TTFT, decode tokens/s.
+
+On this project's 2-core CPU machine, ranks share the same two cores, so
+more ranks cannot be faster: the figures show what the lock-step costs
+(a broadcast per engine iteration, an all_sum per layer's attention and MLP
+output), not the speed-up of ranks that each have a device of their own.
+Nothing fails on a number: it is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.e2e.daemon_process import DaemonProcess, RawConnection  # noqa: E402
+from tests.e2e.ranked_daemon import RankedDaemon  # noqa: E402
+from tests.support.tiny_models import ensure_tiny_model  # noqa: E402
+
+SMOLLM2 = Path(os.environ.get("PREFIXD_MODELS_DIR", "~/.local/share/prefixd/models")).expanduser() / "SmolLM2-135M-Instruct"
+FILLER = "A prefix cache keeps the keys and values of every prompt it has seen, so the next one starts warm. "
+
+
+def measure(daemon: DaemonProcess, rounds: int, max_tokens: int) -> dict[str, float]:
+    cold, warm, decode = [], [], []
+    with RawConnection(daemon.socket_path, timeout=600) as conn:
+        for round_number in range(rounds):
+            prompt = f"Round {round_number}. " + FILLER * 30 + "Now write a long story about it:"
+            params = {"prompt": prompt, "max_tokens": max_tokens}
+            first = conn.result("generate", params)
+            again = conn.result("generate", params)
+            assert again["cache"]["hit"] == "exact" and again["text"] == first["text"], (first["cache"], again["cache"])
+            cold.append(first["timings"]["ttft_ms"])
+            warm.append(again["timings"]["ttft_ms"])
+            decode.append(again["timings"]["decode_tokens_per_s"])
+            prompt_tokens, completion_tokens = first["usage"]["prompt_tokens"], first["usage"]["completion_tokens"]
+    return {"cold_ttft_ms": statistics.median(cold), "warm_ttft_ms": statistics.median(warm),
+            "decode_tok_s": statistics.median(decode), "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def run(model: Path, num_ranks: int, workdir: Path, rounds: int, max_tokens: int) -> dict[str, float]:
+    if num_ranks == 1:
+        daemon: DaemonProcess = DaemonProcess([model], workdir / f"{model.name}-1")
+    else:
+        daemon = RankedDaemon([model], workdir / f"{model.name}-{num_ranks}", num_ranks=num_ranks)
+    daemon.start(timeout=300)
+    try:
+        return measure(daemon, rounds, max_tokens)
+    finally:
+        daemon.stop(timeout=60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pfx-dist-") as tmp:
+        workdir = Path(tmp)
+        setups = [(ensure_tiny_model("llama", workdir / "models"), (1, 2))]
+        if (SMOLLM2 / "config.json").is_file():
+            setups.append((SMOLLM2, (1, 3)))
+        else:
+            print(f"(SmolLM2 is not set up at {SMOLLM2}: run ./run setup; measuring the tiny model only)")
+        print(f"{'model':<24} {'ranks':>5} {'prompt':>6} {'cold TTFT ms':>12} {'warm TTFT ms':>12} {'decode tok/s':>12}")
+        for model, rank_counts in setups:
+            for num_ranks in rank_counts:
+                figures = run(model, num_ranks, workdir, args.rounds, args.max_tokens)
+                print(f"{model.name:<24} {num_ranks:>5} {figures['prompt_tokens']:>6} {figures['cold_ttft_ms']:>12.1f} "
+                      f"{figures['warm_ttft_ms']:>12.1f} {figures['decode_tok_s']:>12.1f}", flush=True)
+    print("ranks share this machine's cores: the figures show the lock-step's cost, not a speed-up")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
