@@ -107,6 +107,9 @@ def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
         assert [answer[3]["text"] for answer in answers] == expected
         pinned = victim_conn.result("cache.pin", {"messages": [system], "add_generation_prompt": False})
         assert pinned["pinned_tokens"] > 0  # a store change made on every rank
+        victim_conn.result("cache.warm", {"prompt": "a warmed prompt " * 20})
+        warmed = generate(victim_conn, {"prompt": "a warmed prompt " * 20, "max_tokens": 4})
+        assert warmed["cache"]["hit"] == "exact"
         stats = victim_conn.result("stats")
         assert stats["requests"]["cancelled"] >= 1 and stats["requests"]["active"] == 0
         assert stats["cache"]["total"]["pinned_bytes"] > 0

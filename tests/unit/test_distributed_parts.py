@@ -1,0 +1,70 @@
+"""The pieces of a daemon across ranks that need no second process: the broadcast message, the shard check, the handshake."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from prefixd.daemon.distributed.handshake import RanksDisagree, check_peers
+from prefixd.daemon.distributed.messages import IterationInputs, JobSpec, StoreOp
+from prefixd.daemon.distributed.settings import DistributedSettings, started_by_launcher
+from prefixd.daemon.distributed.sharded_loading import NotShardable, check_shardable
+from prefixd.protocol.methods import parse_generate
+
+
+def test_what_rank_0_broadcasts_comes_back_whole():
+    params = parse_generate({"prompt": "hello", "max_tokens": 3, "stop": ["\n"]})
+    inputs = IterationInputs(number=7, clock=12.5, prefill_tokens_per_s=300.0,
+                             jobs=(JobSpec(4, "c1", 9, params, False, None),), cancels=(3,),
+                             store_ops=(StoreOp("pin_tokens", ("llama", [1, 2, 3], True)),))
+    assert IterationInputs.decode(inputs.encode()) == inputs
+
+
+def test_a_message_of_another_type_is_refused():
+    with pytest.raises(TypeError, match="not IterationInputs"):
+        IterationInputs.decode(pickle.dumps({"number": 1}))
+
+
+def write_config(path, **fields):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    return path
+
+
+def test_heads_that_do_not_divide_are_refused_with_the_rank_counts_that_work(tmp_path):
+    smol = write_config(tmp_path / "smol", num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    with pytest.raises(NotShardable, match="num_attention_heads = 9 does not divide over 2 ranks.*work for this model: 3"):
+        check_shardable(smol, 2)
+    check_shardable(smol, 3)
+    check_shardable(write_config(tmp_path / "tiny", num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=512), 2)
+
+
+class FakeChannel:
+    """What check_peers needs of a Channel: every rank's bytes from gather()."""
+
+    def __init__(self, identities):
+        self.size = len(identities)
+        self._payloads = [json.dumps(ident, sort_keys=True).encode() for ident in identities]
+
+    def gather(self, payload):
+        assert payload == self._payloads[0]  # this process plays rank 0
+        return self._payloads
+
+
+def test_the_handshake_names_the_field_and_each_ranks_value():
+    same = {"prefixd": "0.1.0+abc", "--cache-bytes": 1 << 30}
+    check_peers(FakeChannel([same, same]), "before loading", same)
+    other = {"prefixd": "0.1.0+abc", "--cache-bytes": 2 << 30}
+    with pytest.raises(RanksDisagree, match=r"differ before loading: --cache-bytes \(rank 0: 1073741824, rank 1: 2147483648\)"):
+        check_peers(FakeChannel([same, other]), "before loading", same)
+
+
+def test_settings_and_launcher_detection():
+    assert started_by_launcher({"MLX_RANK": "1"}) and not started_by_launcher({})
+    with pytest.raises(ValueError, match="unknown backend"):
+        DistributedSettings(backend="carrier-pigeon", rank_timeout_seconds=10)
+    with pytest.raises(ValueError, match="positive"):
+        DistributedSettings(backend="ring", rank_timeout_seconds=0)
