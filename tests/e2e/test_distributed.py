@@ -119,6 +119,18 @@ def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
         victim_conn.close()
 
 
+def test_eviction_under_a_small_budget_keeps_the_ranks_together(tiny_llama_dir, tmp_path):
+    with RankedDaemon([tiny_llama_dir], tmp_path / "small", num_ranks=2, extra_args=["--cache-bytes", "3M"]) as daemon:
+        with RawConnection(daemon.socket_path) as conn:
+            prompts = [f"Document {i}: " + "the cache evicts what it cannot keep. " * 12 for i in range(8)]
+            answers = [generate(conn, {"prompt": prompt, "max_tokens": 8})["text"] for prompt in prompts]
+            again = generate(conn, {"prompt": prompts[-1], "max_tokens": 8})
+            stats = conn.result("stats")
+    assert again["cache"]["hit"] == "exact" and again["text"] == answers[-1]
+    assert stats["cache"]["total"]["num_evictions"] > 0  # both ranks evicted the same leaves: no divergence
+    assert stats["requests"]["failed"] == 0
+
+
 def test_killing_a_rank_ends_the_daemon_with_a_clear_error(tiny_llama_dir, tmp_path):
     daemon = RankedDaemon([tiny_llama_dir], tmp_path / "killed", num_ranks=2)
     daemon.start()
