@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Generator, TypeVar
 
 import structlog
 
@@ -21,6 +21,7 @@ from ...protocol.errors import ErrorCode, RpcError
 from ..cache import PrefixStore
 from ..models.loaded_model import LoadedModel, ModelCard, load_model
 from ..models.model_catalog import CatalogEntry, describe_models
+from ..models.staged_load import load_in_steps
 from ..models.names import model_not_found
 from .constrained_sampling import compiler_for
 from .control_calls import ControlCalls, peak_rss_bytes
@@ -84,6 +85,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
         # Constraints compile here, off the engine thread and off the event loop (see submit).
         self._grammar_pool = ThreadPoolExecutor(NUM_GRAMMAR_THREADS, thread_name_prefix="prefixd-grammar")
+        # A model loading on demand reads its tokenizer here, off the engine thread (models/staged_load.py).
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="prefixd-tokenizer")
 
     # -- lifecycle (front side) ---------------------------------------------------
 
@@ -106,6 +109,7 @@ class Engine:
             pass  # it is gone already
         self._thread.join(timeout)
         self._grammar_pool.shutdown(wait=False)  # a compile still running queues its job into a closed inbox: it fails
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
@@ -231,6 +235,8 @@ class Engine:
         if self._held_job is not None or self.scheduler.has_work or self.inbox.has_jobs or self.residency.num_parked:
             fault_point("loop")  # while there is work: an idle engine has nothing to fail on
         self.residency.unload_expired()
+        # One step of a model loading on demand per iteration: running requests wait a step, not the load.
+        loading = self.residency.step_loading()
         self.poll_controls()
         self._admit_jobs()
         shadow = self.scheduler.shadow
@@ -241,7 +247,7 @@ class Engine:
             return
         # Idle. A pending shadow check runs one pass at a time, and only while
         # nothing is queued: a request arriving now waits one pass at most.
-        item = self.inbox.take(timeout=0 if shadow.has_work else 0.25)
+        item = self.inbox.take(timeout=0 if shadow.has_work or loading else 0.25)
         if item is None and shadow.has_work:
             shadow.step()
             return
@@ -317,14 +323,26 @@ class Engine:
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
         )
+        # An engine that loads its own way (ranks' shards: distributed/) loads whole; this one loads a
+        # request's model in steps between decode steps.
+        in_steps = self._load_entry_in_steps if type(self).load_one_model is Engine.load_one_model else None
         self.residency = ModelResidency(self.catalog, load=self._load_entry, on_unload=self._forget_model,
-                                        keep_alive=self.settings.keep_alive_s, max_bytes=self.settings.max_model_bytes)
+                                        keep_alive=self.settings.keep_alive_s, max_bytes=self.settings.max_model_bytes,
+                                        load_steps=in_steps)
         if self.default_model is not None:
             self.residency.ensure_loaded(self.default_model, None)
 
     def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
-        """Load a configured model's weights (on first use, or again after an unload). Engine thread."""
-        loaded = self.load_one_model(entry.spec)
+        """Load a configured model's weights whole (at start, or when asked to). Engine thread."""
+        return self._adopt(self.load_one_model(entry.spec), entry)
+
+    def _load_entry_in_steps(self, entry: CatalogEntry) -> Generator[None, None, LoadedModel]:
+        """Load a request's model a step per engine iteration (models/staged_load.py). Engine thread."""
+        loaded = yield from load_in_steps(entry.spec, entry.path, self.settings.dtype, self.settings.attention,
+                                          self._tokenizer_pool)
+        return self._adopt(loaded, entry)
+
+    def _adopt(self, loaded: LoadedModel, entry: CatalogEntry) -> LoadedModel:
         loaded.name = loaded.encoder.model_name = entry.name
         self.models[loaded.name] = loaded
         log.info(

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 import structlog
 
@@ -56,6 +56,8 @@ class _Slot:
     last_used: int = 0  # a use count, not a time: the least recently used goes first, ties impossible
     idle_since: float | None = None  # monotonic; None while a job pins it
     num_jobs: int = 0  # queued or running jobs naming this model
+    loading: Generator[None, None, LoadedModel] | None = None  # a load in steps, advanced once per engine iteration
+    load_started: float = 0.0  # perf_counter
 
     def expires_at(self) -> float | None:
         """Monotonic time it unloads at; None: never (pinned, or kept for good)."""
@@ -75,7 +77,11 @@ class ModelResidency:
         keep_alive: float,
         max_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        load_steps: Callable[[CatalogEntry], Generator[None, None, LoadedModel]] | None = None,
     ):
+        """``load``: a whole load (at start, Ollama's load request); ``load_steps``: a load in steps, one per
+        engine iteration, for a request's model (None: requests load whole too)."""
+        self._load_steps = load_steps
         self.default_keep_alive = keep_alive
         self._slots = {name: _Slot(entry, keep_alive) for name, entry in catalog.items()}
         self._load = load
@@ -124,8 +130,9 @@ class ModelResidency:
     def make_resident(self, job: GenerateJob, name: str) -> bool:
         """True: the job may go to the scheduler (its model is loaded, or it was cancelled).
 
-        False: the job is taken care of here: parked until room frees up, or
-        failed (the model is too large or did not load).
+        False: the job is taken care of here: parked until room frees up or its
+        model has loaded (in steps, see step_loading), or failed (the model is
+        too large or did not load).
         """
         slot = self._slots[name]
         if job.cancelled.is_set():
@@ -133,22 +140,45 @@ class ModelResidency:
         if slot.loaded is not None:
             slot.last_used = next(self._uses)
             return True
-        try:
-            if not self._make_room(slot):
-                self._parked.append((job, name))
+        if slot.loading is None:
+            try:
+                if not self._make_room(slot):
+                    self._parked.append((job, name))
+                    return False
+                if self._load_steps is None:
+                    self._load_slot(slot)
+                    return True
+                self._start_loading(slot)
+            except RpcError as err:
+                job.emit(FAILED, err)
                 return False
-            self._load_slot(slot)
-        except RpcError as err:
-            job.emit(FAILED, err)
-            return False
-        return True
+            if slot.loaded is not None:
+                return True
+        self._parked.append((job, name))  # goes once its model has loaded
+        return False
+
+    def step_loading(self) -> bool:
+        """Advance every load in progress by one step; True while any goes on. A failed one fails its waiting jobs."""
+        for name, slot in self._slots.items():
+            if slot.loading is None:
+                continue
+            try:
+                self._advance(slot)
+            except RpcError as err:
+                self._fail_parked_for(name, err)
+        return self.is_loading
+
+    @property
+    def is_loading(self) -> bool:
+        return any(slot.loading is not None for slot in self._slots.values())
 
     def next_parked(self) -> GenerateJob | None:
         """The first parked job that can go now (room freed up, or cancelled), taken out of the queue."""
         for item in self._parked:
             job, name = item
             slot = self._slots[name]
-            if job.cancelled.is_set() or slot.loaded is not None or self._fits_after_evictions(slot):
+            if (job.cancelled.is_set() or slot.loaded is not None
+                    or (slot.loading is None and self._fits_after_evictions(slot))):
                 self._parked.remove(item)
                 return job
         return None
@@ -158,15 +188,33 @@ class ModelResidency:
         return len(self._parked)
 
     def fail_parked(self, err_factory: Callable[[], RpcError]) -> None:
+        """The engine gives up: loads in progress are abandoned, waiting jobs fail."""
+        for slot in self._slots.values():
+            if slot.loading is not None:
+                loading, slot.loading = slot.loading, None
+                loading.close()
         while self._parked:
             job, _ = self._parked.popleft()
             job.emit(FAILED, err_factory())
+
+    def _fail_parked_for(self, name: str, err: RpcError) -> None:
+        waiting = [item for item in self._parked if item[1] == name]
+        for item in waiting:
+            self._parked.remove(item)
+            item[0].emit(FAILED, RpcError(err.code, err.message))  # one error object per request
 
     def ensure_loaded(self, name: str, keep_alive: float | None) -> LoadedModel:
         """Load a model now (Ollama's load request); raises MODEL_LOAD_FAILED, or OVERLOADED while pinned models fill the room."""
         slot = self._slots[name]
         with self._lock:
             slot.keep_alive = self.default_keep_alive if keep_alive is None else keep_alive
+        if slot.loading is not None:  # a request's load in steps is under way: finish it now
+            try:
+                while slot.loading is not None:
+                    self._advance(slot)
+            except RpcError as err:
+                self._fail_parked_for(name, err)
+                raise
         if slot.loaded is None:
             if not self._make_room(slot):
                 raise RpcError(ErrorCode.OVERLOADED, f"model {name} does not fit beside the models serving requests "
@@ -202,7 +250,9 @@ class ModelResidency:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(slot.loaded.weight_bytes for slot in self._slots.values() if slot.loaded is not None)
+        """The loaded models' weights, and those of models loading now (their memory is being filled)."""
+        return sum(slot.loaded.weight_bytes if slot.loaded is not None else slot.entry.weight_bytes
+                   for slot in self._slots.values() if slot.loaded is not None or slot.loading is not None)
 
     def describe(self, name: str) -> dict[str, Any]:
         """What ``models`` says of its residency: loaded or not, its memory, since when and until when."""
@@ -212,6 +262,7 @@ class ModelResidency:
         loaded = slot.loaded
         return {
             "loaded": loaded is not None,
+            "loading": slot.loading is not None,
             "resident_bytes": loaded.weight_bytes if loaded is not None else 0,
             "weight_bytes": loaded.weight_bytes if loaded is not None else slot.entry.weight_bytes,
             "loaded_at": slot.loaded_at if loaded is not None else None,
@@ -253,14 +304,39 @@ class ModelResidency:
         return True
 
     def _load_slot(self, slot: _Slot) -> None:
-        entry = slot.entry
-        started = time.perf_counter()
+        """A whole load, now."""
+        slot.load_started = time.perf_counter()
         try:
-            loaded = self._load(entry)
+            loaded = self._load(slot.entry)
         except Exception as exc:  # the request fails, the daemon serves on; the next request tries again
-            log.error("model_load_failed", model=entry.name, path=str(entry.path), error=f"{type(exc).__name__}: {exc}")
-            raise RpcError(ErrorCode.MODEL_LOAD_FAILED,
-                           f"model {entry.name} could not be loaded from {entry.path}: {type(exc).__name__}: {exc}") from None
+            raise self._load_error(slot, exc) from None
+        self._resident(slot, loaded)
+
+    def _start_loading(self, slot: _Slot) -> None:
+        """A load in steps: its first step runs now (a missing file fails here, at once)."""
+        slot.load_started = time.perf_counter()
+        slot.loading = self._load_steps(slot.entry)
+        self._advance(slot)
+
+    def _advance(self, slot: _Slot) -> None:
+        """One step of a load in progress; raises MODEL_LOAD_FAILED (the load is over) if it fails."""
+        try:
+            next(slot.loading)
+        except StopIteration as done:
+            slot.loading = None
+            self._resident(slot, done.value)
+        except Exception as exc:
+            slot.loading = None
+            raise self._load_error(slot, exc) from None
+
+    def _load_error(self, slot: _Slot, exc: Exception) -> RpcError:
+        entry = slot.entry
+        log.error("model_load_failed", model=entry.name, path=str(entry.path), error=f"{type(exc).__name__}: {exc}")
+        return RpcError(ErrorCode.MODEL_LOAD_FAILED,
+                        f"model {entry.name} could not be loaded from {entry.path}: {type(exc).__name__}: {exc}")
+
+    def _resident(self, slot: _Slot, loaded: LoadedModel) -> None:
+        entry = slot.entry
         if loaded.fingerprint != entry.fingerprint:
             log.warning("model_changed_on_disk", model=entry.name, fingerprint_at_start=entry.fingerprint,
                         fingerprint_now=loaded.fingerprint)
@@ -269,7 +345,7 @@ class ModelResidency:
         with self._lock:
             if not slot.num_jobs:
                 slot.idle_since = self._clock()
-        log.info("model_resident", model=entry.name, load_s=round(time.perf_counter() - started, 3),
+        log.info("model_resident", model=entry.name, load_s=round(time.perf_counter() - slot.load_started, 3),
                  weight_bytes=loaded.weight_bytes, resident_bytes=self.resident_bytes,
                  keep_alive=describe_keep_alive(slot.keep_alive))
 

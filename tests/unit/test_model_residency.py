@@ -157,3 +157,34 @@ def test_without_pressure_nothing_unloads_for_room(max_mb):
         assert residency.make_resident(j, name)
         j.emit(DONE, {})
     assert unloads == [] and residency.resident_bytes == 64 * MB
+
+
+def test_a_load_in_steps_parks_its_jobs_until_the_last_step_and_a_failed_step_fails_them():
+    catalog = {e.name: e for e in (entry("a", 10), entry("b", 12))}
+    steps_run: list[str] = []
+
+    def load_steps(e):
+        for number in range(3):
+            steps_run.append(f"{e.name}{number}")
+            if e.name == "b" and number == 1:
+                raise OSError("the disk went away")
+            yield
+        return SimpleNamespace(name=e.name, weight_bytes=e.weight_bytes, fingerprint=e.fingerprint)
+
+    residency = ModelResidency(catalog, load=None, on_unload=lambda loaded: None, keep_alive=-1.0,
+                               clock=Clock(), load_steps=load_steps)
+    a, b = submit(residency, "a"), submit(residency, "a")
+    assert not residency.make_resident(a, "a") and not residency.make_resident(b, "a")  # one load for both
+    assert steps_run == ["a0"] and residency.describe("a")["loading"] and residency.next_parked() is None
+    assert residency.step_loading() and residency.step_loading() and residency.next_parked() is None
+    assert not residency.step_loading()  # past the last step: loaded
+    assert residency.next_parked() is a and residency.next_parked() is b
+    assert residency.make_resident(a, "a") and steps_run == ["a0", "a1", "a2"]
+
+    failing, replies = job("b")
+    residency.pin(failing, "b")
+    assert not residency.make_resident(failing, "b")
+    assert not residency.step_loading()  # the step that fails ends the load ...
+    ((kind, err),) = replies  # ... and answers the job that waited for it
+    assert kind == FAILED and err.code == ErrorCode.MODEL_LOAD_FAILED and "the disk went away" in err.message
+    assert residency.num_parked == 0 and not residency.describe("b")["loaded"]
