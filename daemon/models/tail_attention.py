@@ -53,7 +53,7 @@ MAX_MATMUL_SCORES = 1 << 26
 TAIL_BUCKET = 64
 WARMED_UP_TO = 2048
 
-_state = {"mode": "fused", "matmul_passes": 0}
+_state = {"mode": "fused", "matmul_passes": 0, "bucket": TAIL_BUCKET}
 
 
 def resolve_mode(mode: str) -> str:
@@ -84,7 +84,14 @@ def tail_bucket(mode: str, layout: Any) -> int:
     """The length multiple a model's multi-token passes are padded to (0: not padded); see the module's doc."""
     if mode != "matmul" or layout.is_hybrid or layout.window_layers or not layout.is_supported:
         return 0
-    return TAIL_BUCKET
+    return _state["bucket"]
+
+
+def set_bucket(tokens: int) -> None:
+    """The daemon's --tail-bucket (0: no padding), for the models it loads from now on; process-wide like the mode."""
+    if tokens < 0:
+        raise ValueError(f"a tail bucket is a number of tokens (0: off), not {tokens}")
+    _state["bucket"] = tokens
 
 
 def warm_buckets(model: Any, bucket: int, longest: int = WARMED_UP_TO) -> float:
