@@ -199,6 +199,14 @@ def test_a_rank_with_another_model_is_refused_at_start(tiny_llama_dir, tmp_path)
     daemon.kill()
 
 
+def test_the_disk_cache_is_refused_across_ranks_with_a_clear_message(tiny_llama_dir, tmp_path):
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "disk", num_ranks=2, extra_args=["--disk-cache-bytes", "64M"])
+    with pytest.raises(RuntimeError, match="exited"):
+        daemon.start(timeout=60)
+    assert "--disk-cache-bytes is not available on a daemon spanning several ranks" in daemon.stderr_text()
+    daemon.kill()
+
+
 def test_smollm2_does_not_split_over_two_ranks_and_says_what_would(smollm2_dir, tmp_path):
     daemon = RankedDaemon([smollm2_dir], tmp_path / "smol2", num_ranks=2)
     with pytest.raises(RuntimeError, match="exited"):
