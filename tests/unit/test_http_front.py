@@ -16,9 +16,19 @@ from prefixd.daemon.front.peer_auth import PeerPolicy
 openai = pytest.importorskip("openai")
 
 
+TINY = {"name": "tiny", "loaded": True, "resident_bytes": 1, "weight_bytes": 1, "loaded_at": 0.0, "expires_at": None,
+        "keep_alive": "forever", "active_jobs": 0}
+
+
 def fake_handlers():
-    # /v1/models reads only these two; no engine, no model. (observers: where /metrics subscribes)
-    return SimpleNamespace(engine=SimpleNamespace(model_names=("tiny",), default_model="tiny"), started_at=time.time(), observers=[])
+    # /v1/models reads only these: the names and the engine's describe_models, answered at once; no model.
+    # (observers: where /metrics subscribes)
+    async def call(fn):
+        return fn()
+
+    engine = SimpleNamespace(model_names=("tiny",), default_model="tiny", call=call,
+                             controls=SimpleNamespace(describe_models=lambda: [TINY]))
+    return SimpleNamespace(engine=engine, started_at=time.time(), observers=[])
 
 
 async def get_models(path, headers=None):
