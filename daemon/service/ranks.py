@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -28,8 +29,24 @@ def launch_ranks(num_ranks: int, backend: str, argv: list[str]) -> None:
     if launcher is None:
         raise FileNotFoundError("--ranks needs MLX's launcher, mlx.launch, beside this Python or on PATH")
     backend_args = [] if backend == "any" else ["--backend", backend]
-    os.execv(launcher, [launcher, "-n", str(num_ranks), *backend_args, "--python", sys.executable,
+    # The ring backend listens on one port per rank, from 32323 by default: two daemons on one
+    # machine would collide there, so each takes ports that are free now.
+    port_args = ["-p", str(free_port_range(num_ranks))]
+    os.execv(launcher, [launcher, "-n", str(num_ranks), *backend_args, *port_args, "--python", sys.executable,
                         "-m", "prefixd.daemon", *argv])
+
+
+def free_port_range(num_ports: int, first: int = 32323, last: int = 60000) -> int:
+    """The first of ``num_ports`` consecutive loopback ports that are free now, from ``first`` on."""
+    for start in range(first, last, num_ports):
+        try:
+            for port in range(start, start + num_ports):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return start
+    raise OSError(f"no {num_ports} consecutive free ports between {first} and {last} for the ranks")
 
 
 def distributed_engine(settings: ServerSettings, args: argparse.Namespace) -> LockstepEngine:

@@ -47,10 +47,13 @@ def launch_command(num_ranks: int, port: int, command: list[str]) -> list[str]:
 
 class RankedDaemon(DaemonProcess):
     def __init__(self, model_dirs: Iterable[Path], workdir: Path, num_ranks: int = 2,
-                 extra_args: Iterable[str] = (), command: list[str] | None = None):
+                 extra_args: Iterable[str] = (), through_ranks_flag: bool = False):
         super().__init__(model_dirs, workdir, ["--rank-timeout", "30", *extra_args])
         self.num_ranks = num_ranks
-        self.args = launch_command(num_ranks, free_port_range(num_ranks), command or self.args)
+        if through_ranks_flag:  # prefixd serve --ranks N execs mlx.launch itself
+            self.args = [*self.args, "--ranks", str(num_ranks), "--distributed-backend", "ring"]
+        else:
+            self.args = launch_command(num_ranks, free_port_range(num_ranks), self.args)
 
     def start(self, timeout: float = 120.0) -> None:
         super().start(timeout)

@@ -119,6 +119,13 @@ def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
         victim_conn.close()
 
 
+def test_prefixd_serve_ranks_runs_the_launcher_itself(tiny_llama_dir, tmp_path):
+    with RankedDaemon([tiny_llama_dir], tmp_path / "flag", num_ranks=2, through_ranks_flag=True) as daemon:
+        with RawConnection(daemon.socket_path) as conn:
+            assert generate(conn, {"prompt": "started with --ranks 2", "max_tokens": 4})["usage"]["completion_tokens"] > 0
+        assert daemon.rank_pid(0) != daemon.rank_pid(1)
+
+
 def test_eviction_under_a_small_budget_keeps_the_ranks_together(tiny_llama_dir, tmp_path):
     with RankedDaemon([tiny_llama_dir], tmp_path / "small", num_ranks=2, extra_args=["--cache-bytes", "3M"]) as daemon:
         with RawConnection(daemon.socket_path) as conn:
