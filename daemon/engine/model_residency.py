@@ -18,8 +18,11 @@ is resident. Rules:
   request for the model tries again.
 
 Loads and unloads run on the engine thread (MLX arrays belong to the thread
-that made them): a load blocks the engine for as long as it reads and
-evaluates the weights. The prefix store is untouched by an unload: its
+that made them). A request's model loads in steps (``load_steps``, advanced
+once per engine iteration by ``step_loading``; its jobs stay parked until the
+last step), so running requests decode between the steps; a whole load
+(``load``: at start, Ollama's load request) blocks the engine for as long as
+it reads the weights. The prefix store is untouched by an unload: its
 entries are namespaced by the model's fingerprint, which a reload computes
 again identically, so a reloaded model finds them.
 
