@@ -341,8 +341,10 @@ class Engine:
 
     def _load_entry_in_steps(self, entry: CatalogEntry) -> Generator[None, None, LoadedModel]:
         """Load a request's model a step per engine iteration (models/staged_load.py). Engine thread."""
+        started = time.perf_counter()
         loaded = yield from load_in_steps(entry.spec, entry.path, self.settings.dtype, self.settings.attention,
                                           self._tokenizer_pool)
+        loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
         return self._adopt(loaded, entry)
 
     def _adopt(self, loaded: LoadedModel, entry: CatalogEntry) -> LoadedModel:
