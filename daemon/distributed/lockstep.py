@@ -126,7 +126,7 @@ class LockstepEngine(Engine):
         self.watchdog.arm(self.distributed.rank_timeout_seconds, f"engine iteration {self._number}")
         try:
             digest = self._state_digest()  # before this iteration's control calls change anything
-            payload = self._leader_inputs().encode() if self.channel.is_leader else None
+            payload = self._leader_payload() if self.channel.is_leader else None
             data, digests = self.channel.exchange(payload, digest)
             if any(d != digests[0] for d in digests):
                 raise RanksDiverged(f"the ranks' engine states differ after iteration {self._number - 1} "
@@ -149,25 +149,40 @@ class LockstepEngine(Engine):
         finally:
             self.watchdog.disarm()
 
+    def _leader_payload(self) -> bytes:
+        """Rank 0: this iteration's inputs, encoded. Jobs that cannot travel fail here, alone."""
+        inputs = self._leader_inputs()
+        try:
+            return inputs.encode()
+        except Exception as exc:
+            for spec in inputs.jobs:
+                self._front_jobs.pop(spec.job_id).emit(FAILED, RpcError(
+                    ErrorCode.INTERNAL, f"the request could not be sent to the other ranks: {type(exc).__name__}: {exc}"))
+            return dataclasses.replace(inputs, jobs=()).encode()
+
     def _leader_inputs(self) -> IterationInputs:
         """Rank 0: what this iteration consumes. Waits on the inbox (briefly) only when there is nothing to do."""
         self.poll_controls()
         jobs = self._take_jobs()
-        if not (jobs or self._store_ops or self._pending or self.scheduler.has_work or self._stopping.is_set()
-                or any(job.cancelled.is_set() for job in self._front_jobs.values())):
+        cancels = tuple(job_id for job_id, job in self._front_jobs.items()
+                        if job.cancelled.is_set() and job_id not in self._cancels_sent)
+        if not (jobs or cancels or self._store_ops or self._pending or self.scheduler.has_work
+                or self._stopping.is_set()):
             item = self.inbox.take(timeout=IDLE_WAIT_SECONDS)
             if isinstance(item, GenerateJob):
                 jobs.append(item)
             elif item is not None:
                 item()
         specs = tuple(spec for spec in map(self._forward, jobs) if spec is not None)
-        cancels = tuple(job_id for job_id, job in self._front_jobs.items()
-                        if job.cancelled.is_set() and job_id not in self._cancels_sent)
         self._cancels_sent.update(cancels)
         store_ops, self._store_ops = tuple(self._store_ops), []
         return IterationInputs(number=self._number, clock=time.monotonic(),
                                prefill_tokens_per_s=Engine.prefill_rate(self),
                                jobs=specs, cancels=cancels, store_ops=store_ops)
+
+    def record_store_op(self, op: StoreOp) -> None:
+        """Rank 0: a control call changed the store; the other ranks make the same change this iteration."""
+        self._store_ops.append(op)
 
     def _take_jobs(self) -> list[GenerateJob]:
         """As many queued jobs as could start now; none while earlier ones still wait (their memory)."""
@@ -255,7 +270,10 @@ class LockstepEngine(Engine):
         err = self.dead_error()
         while self._pending:
             self._pending.popleft().emit(FAILED, RpcError(err.code, err.message))
-        super()._die(reason)
+        super()._die(reason)  # fails the running ones
+        for job in list(self._front_jobs.values()):  # taken from the inbox, lost before the exchange
+            job.emit(FAILED, self.dead_error())
+        self._front_jobs.clear()
 
     def abandon(self, reason: str) -> None:
         """The watchdog's verdict (its own thread): the engine thread is stuck in a collective for good.
@@ -284,7 +302,7 @@ class LockstepControls(ControlCalls):
     """Control calls that change the store run on every rank: rank 0 records them for the next exchange."""
 
     def pin_tokens(self, model: str, tokens: list[int], pinned: bool) -> dict[str, Any]:
-        self.engine._store_ops.append(StoreOp("pin_tokens", (model, tokens, pinned)))
+        self.engine.record_store_op(StoreOp("pin_tokens", (model, tokens, pinned)))
         return super().pin_tokens(model, tokens, pinned)
 
     def unload_model(self, name: str) -> dict[str, Any]:
