@@ -180,6 +180,10 @@ class LockstepEngine(Engine):
                                prefill_tokens_per_s=Engine.prefill_rate(self),
                                jobs=specs, cancels=cancels, store_ops=store_ops)
 
+    @property
+    def iteration_number(self) -> int:
+        return self._number
+
     def record_store_op(self, op: StoreOp) -> None:
         """Rank 0: a control call changed the store; the other ranks make the same change this iteration."""
         self._store_ops.append(op)
@@ -250,7 +254,8 @@ class LockstepEngine(Engine):
     def _state_digest(self) -> int:
         """What every rank must agree on after an iteration: the sequences, their tokens, the store's size."""
         state = [(s.job.job_id, s.phase.value, s.position, len(s.generated), s.generated[-1:]) for s in self.scheduler.active]
-        state.append((len(self._pending), self.store.num_bytes, self.store.budget.total.num_nodes))
+        total = self.store.budget.total
+        state.append((len(self._pending), total.num_bytes, total.num_nodes, total.pinned_bytes))
         return int.from_bytes(hashlib.blake2b(repr(state).encode(), digest_size=8).digest(), "little")
 
     # -- the end ---------------------------------------------------------------------------------
@@ -304,6 +309,12 @@ class LockstepControls(ControlCalls):
     def pin_tokens(self, model: str, tokens: list[int], pinned: bool) -> dict[str, Any]:
         self.engine.record_store_op(StoreOp("pin_tokens", (model, tokens, pinned)))
         return super().pin_tokens(model, tokens, pinned)
+
+    def stats(self) -> dict[str, Any]:
+        """As on one process (rank 0's store: every rank's holds the same entries), plus the ranks."""
+        engine = self.engine
+        return {**super().stats(), "ranks": {"num_ranks": engine.channel.size, "backend": engine.distributed.backend,
+                                             "iterations": engine.iteration_number}}
 
     def unload_model(self, name: str) -> dict[str, Any]:
         raise RpcError(ErrorCode.INVALID_PARAMS, "a daemon spanning several ranks keeps every model loaded; "

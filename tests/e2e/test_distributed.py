@@ -68,6 +68,7 @@ def test_two_ranks_answer_as_one_process_and_reuse_the_cache_the_same_way(one_pr
             assert again["cache"]["reused_tokens"] == again["cache"]["prompt_tokens"] - 1
         assert got["cache"]["hit"] == "partial" and got["cache"]["reused_tokens"] >= 512  # the last one
         stats = two.result("stats")
+        assert stats["ranks"]["num_ranks"] == 2 and stats["ranks"]["iterations"] > 0
         assert stats["cache"]["total"]["num_sequences"] >= 3
         assert stats["requests"]["failed"] == 0
 
