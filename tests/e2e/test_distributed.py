@@ -127,6 +127,15 @@ def test_prefixd_serve_ranks_runs_the_launcher_itself(tiny_llama_dir, tmp_path):
         assert daemon.rank_pid(0) != daemon.rank_pid(1)
 
 
+def test_every_model_is_loaded_on_every_rank_at_start(tiny_llama_dir, tiny_tools_dir, tmp_path):
+    with RankedDaemon([tiny_llama_dir, tiny_tools_dir], tmp_path / "two-models", num_ranks=2) as daemon:
+        with RawConnection(daemon.socket_path) as conn:
+            models = conn.result("models")["models"]
+            assert [m["loaded"] for m in models] == [True, True]  # models on demand would load on one rank alone
+            for model in models:
+                generate(conn, {"model": model["name"], "prompt": "which model answers", "max_tokens": 4})
+
+
 def test_eviction_under_a_small_budget_keeps_the_ranks_together(tiny_llama_dir, tmp_path):
     with RankedDaemon([tiny_llama_dir], tmp_path / "small", num_ranks=2, extra_args=["--cache-bytes", "3M"]) as daemon:
         with RawConnection(daemon.socket_path) as conn:
