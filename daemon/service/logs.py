@@ -22,6 +22,7 @@ Output a C library writes to file descriptor 2 itself bypasses all of this.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import traceback
@@ -42,6 +43,7 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *([_add_rank] if "MLX_RANK" in os.environ else []),  # one daemon across ranks: mlx.launch merges their logs
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -56,6 +58,12 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     sys.excepthook = _log_uncaught_exception
     threading.excepthook = _log_uncaught_thread_exception
     sys.unraisablehook = _log_unraisable_exception
+
+
+def _add_rank(_logger: Any, _method: str, event_dict: dict) -> dict:
+    """Which rank wrote the line (the launcher interleaves every rank's stderr)."""
+    event_dict.setdefault("rank", int(os.environ["MLX_RANK"]))
+    return event_dict
 
 
 def _route_stdlib_logging(renderer: Any, level_number: int) -> None:

@@ -71,6 +71,7 @@ def test_two_ranks_answer_as_one_process_and_reuse_the_cache_the_same_way(one_pr
         assert stats["ranks"]["num_ranks"] == 2 and stats["ranks"]["iterations"] > 0
         assert stats["cache"]["total"]["num_sequences"] >= 3
         assert stats["requests"]["failed"] == 0
+    assert {line["rank"] for line in two_ranks.events("model_loaded")} == {0, 1}  # each line says its rank
 
 
 def test_sampling_is_the_same_on_every_rank(one_process, two_ranks):
