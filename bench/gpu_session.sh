@@ -5,8 +5,7 @@
 # quick-fused, full-fused, lfm2-quick-fused: the same with --attention fused (MLX's own attention for
 # tails, to compare with the default matmul form on CUDA: models/tail_attention.py); probe-tails
 # (shape_probe parts 6-7), probe-tails-nographs (part 7 with MLX_USE_CUDA_GRAPHS=0), fuse
-# (bench/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting); quick-nobucket,
-# full-nobucket: the matmul form without padding passes to length buckets (--tail-bucket 0).
+# (bench/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -36,8 +35,6 @@ for s in "$@"; do
     probe-tails) step probe-tails python3 bench/shape_probe.py /tmp/q06 --context 3000 --parts 6,7 --json "$out/probe-tails.json" ;;
     probe-tails-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-tails-nographs python3 bench/shape_probe.py /tmp/q06 --context 3000 --parts 7 ;;
     fuse) step fuse python3 bench/cuda_cache_fuse.py /tmp/q06 ;;
-    quick-nobucket) PREFIXD_TAIL_BUCKET=0 step quick-nobucket python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-nobucket" ;;
-    full-nobucket) PREFIXD_TAIL_BUCKET=0 step full-nobucket python3 bench/compare.py --model /tmp/q06 --out "$out/full-nobucket" ;;
     quick) step quick python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick" ;;
     full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;

@@ -96,7 +96,7 @@ class PrefixdPeer(_Peer):
         chunk = os.environ.get("PREFIXD_PREFILL_CHUNK", "by device: 512 on a CPU, 2048 on a GPU")
         attention = os.environ.get("PREFIXD_ATTENTION", "auto: matmul form for short tails on CUDA, fused elsewhere")
         self.settings = (f"defaults (--dtype auto: float32 on a CPU, as stored on a GPU; --prefill-chunk {chunk}; "
-                         f"--attention {attention}; --tail-bucket {os.environ.get('PREFIXD_TAIL_BUCKET', 'auto: 64 in the matmul form')}); OpenBLAS loaded by the daemon itself on a CPU")
+                         f"--attention {attention}); OpenBLAS loaded by the daemon itself on a CPU")
 
     def start(self) -> None:
         self.daemon.start()

@@ -19,7 +19,6 @@ import structlog
 
 from ...protocol.errors import ErrorCode, RpcError
 from ..cache import PrefixStore
-from ..models import tail_attention
 from ..models.loaded_model import LoadedModel, ModelCard, load_model
 from ..models.model_catalog import CatalogEntry, describe_models
 from ..models.staged_load import load_in_steps
@@ -303,8 +302,6 @@ class Engine:
 
         self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
-        if self.settings.tail_bucket is not None:
-            tail_attention.set_bucket(self.settings.tail_bucket)
         # Every model is described (tokenizer, layout, size: no weights read); only the default one loads now.
         self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs)
         self.cards = {name: entry.card for name, entry in self.catalog.items()}

@@ -135,7 +135,7 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int)
     takes_last = not seq.plan and not seq.job.warm_only and not layout.is_hybrid and depth == len(seq.tokens) - 1
     run_to = depth + 1 if takes_last else depth
     started = time.monotonic()
-    logits = forward_in_bucket(seq, seq.tokens[seq.position : run_to])
+    logits = seq.loaded.model(mx.array(seq.tokens[seq.position : run_to])[None], cache=seq.cache)
     last = logits[:, -1, :] if takes_last else None
     mx.eval([c.state for c in seq.cache] + ([last] if takes_last else []))
     seq.loaded.note_prefill_rate(run_to - seq.position, time.monotonic() - started)
@@ -144,23 +144,6 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int)
         seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == seq.position else None)
     store_progress(seq, store, seq.cache, seq.tokens[:depth])
     return last
-
-
-def forward_in_bucket(seq: SequenceState, tokens: list[int]) -> mx.array:
-    """One forward pass over ``tokens`` on the sequence's cache, the logits of exactly those tokens.
-
-    A model with a tail bucket (models/tail_attention.py) runs a multi-token
-    pass padded to a multiple of it, so the device meets few pass lengths;
-    the padding's KV is trimmed off the cache and its logits dropped.
-    """
-    bucket = seq.loaded.tail_bucket
-    padding = -len(tokens) % bucket if bucket and len(tokens) > 1 else 0
-    logits = seq.loaded.model(mx.array(tokens + tokens[-1:] * padding)[None], cache=seq.cache)
-    if not padding:
-        return logits
-    for layer in seq.cache:
-        layer.trim(padding)
-    return logits[:, : len(tokens), :]
 
 
 def last_token_logits(seq: SequenceState) -> mx.array:

@@ -54,8 +54,6 @@ class LoadedModel:
     prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
-    tail_bucket: int = 0  # multi-token passes padded to a multiple of this (0: never; tail_attention.py)
-    warmup_seconds: float = 0.0  # running each bucket's length once at load
 
     def describe(self, default: bool) -> dict[str, Any]:
         return {
@@ -68,8 +66,6 @@ class LoadedModel:
             "dtype": self.dtype,
             "cache_layers": self.layout.describe(),
             "attention": self.attention,
-            "tail_bucket": self.tail_bucket,
-            "warmup_seconds": round(self.warmup_seconds, 3),
         }
 
     def encode(self, prompt: PromptInput, generates: bool | None = True) -> EncodedPrompt:
@@ -108,10 +104,6 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
     layout = make_cache_layout(model)
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
-    tail_bucket = tail_attention.tail_bucket(attention, layout)
-    # Warmed on a GPU only: a CPU pays nothing extra for a pass at a new length.
-    on_gpu = mx.default_device().type == mx.gpu
-    warmup_seconds = tail_attention.warm_buckets(model, tail_bucket) if tail_bucket and on_gpu else 0.0
     kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
@@ -129,8 +121,6 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
         weight_bytes=weight_bytes,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         attention=attention,
-        tail_bucket=tail_bucket,
-        warmup_seconds=warmup_seconds,
     )
 
 

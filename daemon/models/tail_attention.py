@@ -18,15 +18,13 @@ be large, and their shapes repeat (chunk after chunk of the same length).
 Decode steps (one query token) are left alone: MLX's vector kernel and its
 cuDNN decode path are built once per 256 keys, not per length.
 
-What a first pass at a new length still costs in the matmul form (25-45 ms on
-an H200, against 12-16 ms for a repeat; bench/shape_probe.py part 7) depends on
-the pass's length only, not on the cache depth. So the engine pads such passes
-to a multiple of ``TAIL_BUCKET`` (``tail_bucket``: padding after the real
-tokens, then the cache trimmed back; a causal mask keeps the real positions
-from seeing the padding), which leaves few lengths to meet. Only where every
-layer is a plain KV cache: padding would enter a conv/SSM state or push real
-tokens out of a sliding window. ``warm_buckets`` runs each bucket's length
-once when such a model loads, so no request pays a first pass.
+Measured on an H200 (bench/shape_probe.py parts 6-7, 2026-12-04): a tail's
+first pass costs 36-60 ms in this form against 57-92 ms fused (repeats 10-16
+ms), and what is left depends on the pass's length alone, not the cache depth.
+Padding passes to multiples of 64 tokens with every multiple warmed at load
+was tried on top (98b7903) and taken out again: in bench/compare.py on the
+same machine it did not lower chat or editor TTFT (57 vs 64 ms, 97 vs 130 ms
+without and with it).
 
 The policy is process-wide because mlx-lm's model modules bind
 ``scaled_dot_product_attention`` by name at import; ``install`` rebinds that
@@ -36,7 +34,6 @@ name in the modules a loaded model's layers come from.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -48,12 +45,7 @@ MODES = ("auto", "fused", "matmul")
 # enough that a graph build is a small part of it.
 MAX_MATMUL_SCORES = 1 << 26
 
-# Multi-token passes in the matmul form are padded to a multiple of this many tokens,
-# and every multiple up to WARMED_UP_TO (a GPU's prefill chunk) is run once at load.
-TAIL_BUCKET = 64
-WARMED_UP_TO = 2048
-
-_state = {"mode": "fused", "matmul_passes": 0, "bucket": TAIL_BUCKET}
+_state = {"mode": "fused", "matmul_passes": 0}
 
 
 def resolve_mode(mode: str) -> str:
@@ -78,36 +70,6 @@ def install(model: Any, mode: str) -> str:
         if bound is base.scaled_dot_product_attention:
             module.scaled_dot_product_attention = routed_attention
     return _state["mode"]
-
-
-def tail_bucket(mode: str, layout: Any) -> int:
-    """The length multiple a model's multi-token passes are padded to (0: not padded); see the module's doc."""
-    if mode != "matmul" or layout.is_hybrid or layout.window_layers or not layout.is_supported:
-        return 0
-    return _state["bucket"]
-
-
-def set_bucket(tokens: int) -> None:
-    """The daemon's --tail-bucket (0: no padding), for the models it loads from now on; process-wide like the mode."""
-    if tokens < 0:
-        raise ValueError(f"a tail bucket is a number of tokens (0: off), not {tokens}")
-    _state["bucket"] = tokens
-
-
-def warm_buckets(model: Any, bucket: int, longest: int = WARMED_UP_TO) -> float:
-    """Run one pass of every multiple of ``bucket`` up to ``longest`` tokens; returns the seconds it took.
-
-    In the matmul form a pass's first-time cost depends on its length alone
-    (not on the cache depth), so passes on an empty cache warm what tails on
-    any cache will meet.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    started = time.perf_counter()
-    for length in range(bucket, longest + 1, bucket):
-        logits = model(mx.zeros((1, length), dtype=mx.int32), cache=make_prompt_cache(model))
-        mx.eval(logits)
-    return time.perf_counter() - started
 
 
 def matmul_passes() -> int:

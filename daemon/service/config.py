@@ -184,7 +184,6 @@ OPTIONS: dict[str, Option] = {
         Option("shadow_rate", fraction, 0.05),
         Option("shadow_action", choice("log", "stop-reuse"), "log"),
         Option("attention", choice("auto", "fused", "matmul"), "auto", "auto: matmul for short multi-token passes on a CUDA GPU, fused elsewhere"),
-        Option("tail_bucket", integer(0), None, "tokens; 64 where short passes take the matmul form (a CUDA GPU), else 0 (off)"),
         Option("max_queued", integer(1), 256),
         Option("max_queued_per_client", integer(1), 64),
         Option("grace_seconds", number(0), 10.0),

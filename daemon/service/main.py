@@ -60,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "log it (default), or also stop reusing that checkpoint kind for that model until restart")
     parser.add_argument("--attention", choices=["auto", "fused", "matmul"], help="attention for short multi-token passes (a cache hit's "
                         "tail): matmul avoids MLX's per-shape cuDNN graph build on CUDA (default auto: matmul on a CUDA GPU, fused elsewhere)")
-    parser.add_argument("--tail-bucket", type=int, help="pad multi-token passes of attention-only models to a multiple of this "
-                        "many tokens, each length warmed at load, in the matmul form only (default: 64 there; 0: off)")
     parser.add_argument("--max-queued", type=int, help="queued requests in total before OVERLOADED (default 256)")
     parser.add_argument("--max-queued-per-client", type=int, help="queued requests per connection before OVERLOADED (default 64)")
     parser.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default 10)")
@@ -155,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         shadow_rate=args.shadow_rate,
         shadow_action=args.shadow_action,
         attention=args.attention,
-        tail_bucket=args.tail_bucket,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
     )
