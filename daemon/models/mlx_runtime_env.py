@@ -10,8 +10,12 @@ script meets a few shapes; a daemon meets a new one with nearly every cold
 prompt (the last prefill chunk has a new length at a new depth), so after some
 hundreds of distinct prompts every request would fail, on every model, until
 a restart. The caches still evict least-recently-used entries with the check
-off (MLX's own test runner turns it off the same way); bench/cuda_cache_fuse.py
-shows both on a GPU.
+off (MLX's own test runner turns it off the same way).
+
+A guard for the MLX builds that have the check: on the H200 with the mlx
+0.32.4 wheel, bench/cuda_cache_fuse.py (16 distinct cold-prompt shapes past a
+cuDNN attention cache of 4) raised nothing with the check on or off, in
+process or through the daemon (2026-12-04); pyproject.toml allows newer MLX.
 
 An operator's own value is kept. MLX reads these when it first builds each
 cache, so setting them before the engine's first GPU pass is enough; the
