@@ -56,17 +56,7 @@ class LoadedModel:
     attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
 
     def describe(self, default: bool) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "path": str(self.path),
-            "default": default,
-            "context_length": self.context_length,
-            "fingerprint": self.fingerprint,
-            "hybrid": self.layout.is_hybrid,
-            "dtype": self.dtype,
-            "cache_layers": self.layout.describe(),
-            "attention": self.attention,
-        }
+        return model_description(self, default, self.attention)
 
     def encode(self, prompt: PromptInput, generates: bool | None = True) -> EncodedPrompt:
         """Token ids for a prompt, checked against the context (see PromptEncoder)."""
@@ -80,6 +70,21 @@ class LoadedModel:
             return
         rate = num_tokens / seconds
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
+
+
+def model_description(model: Any, default: bool, attention: str | None) -> dict[str, Any]:
+    """What ``models`` says of a model, loaded (LoadedModel) or not (model_catalog's entry): the same keys."""
+    return {
+        "name": model.name,
+        "path": str(model.path),
+        "default": default,
+        "context_length": model.context_length,
+        "fingerprint": model.fingerprint,
+        "hybrid": model.layout.is_hybrid,
+        "dtype": model.dtype,
+        "cache_layers": model.layout.describe(),
+        "attention": attention,  # None until it loads (tail_attention.py chooses then)
+    }
 
 
 def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto",

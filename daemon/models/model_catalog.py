@@ -26,7 +26,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from ..kv.layout import CacheLayout, make_cache_layout
-from .loaded_model import ModelCard, _context_length, model_fingerprint, refuse_unbatchable, resolve_model_path
+from .loaded_model import ModelCard, _context_length, model_description, model_fingerprint, refuse_unbatchable, resolve_model_path
 from .prompt_encoding import PromptEncoder
 
 log = structlog.get_logger("prefixd.models")
@@ -50,17 +50,7 @@ class CatalogEntry:
 
     def describe(self, default: bool) -> dict[str, Any]:
         """The same keys as LoadedModel.describe, for a model that is not loaded now."""
-        return {
-            "name": self.name,
-            "path": str(self.path),
-            "default": default,
-            "context_length": self.context_length,
-            "fingerprint": self.fingerprint,
-            "hybrid": self.layout.is_hybrid,
-            "dtype": self.dtype,
-            "cache_layers": self.layout.describe(),
-            "attention": None,  # chosen when it loads (tail_attention.py)
-        }
+        return model_description(self, default, None)
 
 
 def describe_models(specs: Iterable[str], dtype: str, found_specs: Iterable[str] = ()) -> dict[str, CatalogEntry]:
