@@ -275,11 +275,10 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
         raise _invalid("'cache.verify' re-runs the request unconstrained: it cannot go with 'constraint'")
     prompt = parse_prompt_input(params)
     tool_choice = parse_tool_choice(params.get("tool_choice"), prompt.tools)
-    if tool_choice.forces_call:
-        # The grammar for it exists (daemon/grammar/tool_call_grammar.py) but no front turns the
-        # model's tool-call format into it yet: refused rather than silently answered with text.
-        raise _invalid("'tool_choice' \"required\" or a named function is not supported yet; send \"auto\" "
-                       "(the model sees the tools and may call one) or force the call's shape with 'constraint'")
+    if tool_choice.forces_call and (constraint is not None or cache.verify):
+        # The daemon forces the call with a grammar of its own (the model's tool-call format).
+        raise _invalid(f"'tool_choice' that forces a call constrains the answer itself: it cannot go with "
+                       f"'{'constraint' if constraint is not None else 'cache.verify'}'")
     return GenerateParams(
         prompt=prompt,
         model=_get(params, "model", (str,), None, "a string"),

@@ -20,6 +20,7 @@ from .errors import ErrorCode, RpcError
 
 MAX_TOOLS = 256
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
+FINISH_TOOL_CALLS = "tool_calls"  # a generate's finish_reason when its answer called tools
 
 
 @dataclass(frozen=True, slots=True)

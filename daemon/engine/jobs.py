@@ -42,6 +42,9 @@ class GenerateJob:
     # The answer's matcher under params.constraint, compiled off the engine thread
     # (Engine.submit; the inline runner compiles at admission). None: unconstrained.
     grammar: "GrammarState | None" = None
+    # The tokens the model sampled (end token included), set on the engine thread before DONE is emitted:
+    # the front encodes the next turn of a tool loop with them (PromptEncoder.remember_answer).
+    answer_tokens: list[int] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     job_id: int = field(default_factory=lambda: next(_job_counter))

@@ -122,6 +122,7 @@ class SequenceState:
         self.finish_reason = FINISH_CANCELLED if self.is_cancelled and finish_reason != FINISH_CANCELLED else finish_reason
         self.finished_at = time.monotonic()
         result = self.result()
+        self.job.answer_tokens = list(self.generated)
         if send:
             self.job.emit(DONE, result)
         return result

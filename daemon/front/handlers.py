@@ -19,10 +19,12 @@ from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.messages import Notification, Request
 from ..engine.engine import Engine
 from ..engine.jobs import CHUNK, DONE, GenerateJob
+from ..models.loaded_model import ModelCard
 from ..models.names import model_not_found
 from .connection import Connection
 from .event_mailbox import EventMailbox
 from .prompt_intake import PromptIntake
+from .tool_calls import ToolCallReader, ToolCalls
 
 # (model fingerprint, prompt tokens) -> returns once what the disk cache holds of that prompt is in memory
 Prefetch = Callable[[str, list[int]], Awaitable[None]]
@@ -39,6 +41,7 @@ class Handlers:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.intake = PromptIntake(engine)
+        self.tool_calls = ToolCalls(self.intake)
         self.prefetch: Prefetch | None = None  # set by the server while the disk cache loads
         self.observers: list[JobObserver] = []  # told of every job's end, whichever front sent it
         self.started_at = time.time()
@@ -166,7 +169,7 @@ class Handlers:
         try:
             self.engine.inbox.reserve(job.client_id)  # a place in line before encoding: a flood is refused first
             try:
-                await self._prepare(job)
+                card, reader = await self._prepare(job)
             except BaseException:
                 self.engine.inbox.release(job.client_id)
                 raise
@@ -181,9 +184,13 @@ class Handlers:
             while True:
                 kind, payload = await events.get()
                 if kind == CHUNK:
+                    chunk = reader.chunk(payload) if reader is not None else payload
                     if on_chunk is not None:
-                        on_chunk(payload)
+                        on_chunk(chunk)
                 elif kind == DONE:
+                    if reader is not None:
+                        payload = reader.finish(payload, on_chunk)
+                        await self.tool_calls.remember_answer(card, job, payload)
                     self._log_request(client_id, job, payload)
                     self._observe(job, payload)
                     return payload
@@ -201,14 +208,23 @@ class Handlers:
             if jobs is not None:
                 jobs.pop(msgid, None)
 
-    async def _prepare(self, job: GenerateJob) -> None:
-        """Encode the prompt off the engine thread and bring in what the disk cache holds of it."""
+    async def _prepare(self, job: GenerateJob) -> tuple[ModelCard, ToolCallReader | None]:
+        """Encode the prompt off the engine thread and bring in what the disk cache holds of it.
+
+        Returns the request's model and the reader of the answer's tool calls
+        when the request has tools (a forced call's grammar is then the job's
+        constraint).
+        """
         card, job.encoded = await self.intake.encode(job.params.model, job.params.prompt,
                                                      generates=not job.warm_only)
+        reader = None
+        if not job.warm_only:
+            job.params, reader = await self.tool_calls.prepare(job.params, card, job.msgid)
         if self.prefetch is not None:
             await self.prefetch(card.fingerprint, job.encoded.tokens)
         if job.cancelled.is_set():
             raise RpcError(ErrorCode.CANCELLED, "cancelled before it started")
+        return card, reader
 
     async def _log_abandoned(self, client_id: str, job: GenerateJob, events: asyncio.Queue) -> None:
         """Log how a job whose requester went away ended (finish_reason "cancelled", usually)."""

@@ -106,6 +106,34 @@ class PromptEncoder:
             self.check_length(len(encoded.tokens), generates)
         return dataclasses.replace(encoded, encode_seconds=time.perf_counter() - started)
 
+    def remember_answer(self, prompt: EncodedPrompt, answer_tokens: list[int]) -> bool:
+        """Let a later chat that holds this answer after this prompt be encoded with the answer's own tokens.
+
+        A model's tokens for its answer (sampled freely, or under a grammar)
+        need not be how the tokenizer splits the answer's text; the next turn,
+        tokenized afresh, would then stop matching the cached answer where
+        they differ. Kept only where the tokens decode to exactly the prompt's
+        text plus the answer's (True then). Any thread, like encode.
+        """
+        if self._memo is None or prompt.text is None or not answer_tokens:
+            return False
+        detokenizer = self.tokenizer.detokenizer
+        pieces, starts, ends, position = [], [], [], 0
+        for token in answer_tokens:
+            detokenizer.add_token(token)
+            piece = detokenizer.last_segment
+            starts.append(position)
+            position += len(piece)
+            ends.append(position)
+            pieces.append(piece)
+        detokenizer.finalize()
+        pieces.append(detokenizer.last_segment)
+        ends[-1] += len(pieces[-1])
+        answer = "".join(pieces)
+        if self.tokenizer.decode(list(prompt.tokens) + list(answer_tokens)) != prompt.text + answer:
+            return False  # a tokenizer whose decoding is not the text it encoded (spaces it strips): no shortcut
+        return self._memo.extend(prompt.text, answer, list(answer_tokens), starts, ends)
+
     def check_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
         """A prompt must fit the context, leaving room for one new token when it generates."""
         if num_prompt_tokens == 0:

@@ -69,6 +69,23 @@ class TokenizationMemo:
         self._remember(text, ids, starts, ends, num_tokens)
         return list(ids), list(ends)
 
+    def extend(self, text: str, more_text: str, more_ids: list[int], more_starts: list[int], more_ends: list[int]) -> bool:
+        """Keep ``text + more_text`` as ``text``'s kept tokens followed by ``more_ids``; False when ``text`` is not kept.
+
+        For an answer: the tokens a model generated after a prompt, which a
+        later chat holding that answer should get back, even where the
+        tokenizer would split the answer's text otherwise. Offsets are
+        relative to ``more_text``.
+        """
+        with self._lock:
+            base = self._entries.get(text)
+        if base is None:
+            return False
+        cut = len(text)
+        self._remember(text + more_text, base.ids + list(more_ids), base.starts + [s + cut for s in more_starts],
+                       base.ends + [e + cut for e in more_ends], 0)
+        return True
+
     def _best_base(self, text: str) -> tuple[_Entry | None, int]:
         """The kept text whose tokens cover most of ``text``, and how many of its tokens to take."""
         best, best_tokens = None, 0

@@ -118,3 +118,21 @@ def test_memo_keeps_only_recent_texts():
     for i in range(MAX_ENTRIES + 5):
         memo.encode(chatml([("user", f"message number {i}")]))
     assert len(memo._entries) == MAX_ENTRIES
+
+
+def test_an_answer_extended_in_is_given_back_with_the_tokens_the_model_chose():
+    tok = byte_level_bpe()
+    memo = memo_for(tok)
+    prompt = chatml([("user", "what does main return?")])
+    prompt_ids, _ = memo.encode(prompt)
+    answer = "def main():\n    return 0\n"
+    # one token per character: a split the tokenizer itself would never make, as a sampled answer can be
+    answer_ids = [tok.encode(c, add_special_tokens=False).ids[0] for c in answer] + [tok.token_to_id("<|im_end|>")]
+    assert answer_ids[:-1] != fresh(tok, answer)[0]
+    assert memo.extend(prompt, answer + "<|im_end|>", answer_ids, list(range(len(answer) + 1)),
+                       list(range(1, len(answer) + 1)) + [len(answer) + len("<|im_end|>")])
+    next_turn = prompt + answer + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+    ids, _ = memo.encode(next_turn)
+    assert ids[:len(prompt_ids) + len(answer)] == prompt_ids + answer_ids[:-1]
+    assert ids[len(prompt_ids) + len(answer):] == fresh(tok, next_turn[len(prompt) + len(answer):])[0]
+    assert not memo.extend("a text never encoded", "x", [1], [0], [1])  # nothing to extend: refused

@@ -1,4 +1,4 @@
-"""Tools in generate params: validated into the shapes chat templates read; what is not honoured is refused."""
+"""Tools in generate params: validated into the shapes chat templates read; what cannot go together is refused."""
 
 from __future__ import annotations
 
@@ -31,12 +31,25 @@ def test_tools_reach_the_prompt_and_tool_call_arguments_become_maps():
     assert params.prompt.messages[2]["tool_call_id"] == "c1"
 
 
+def test_a_choice_that_forces_a_call_is_taken_for_the_daemon_to_turn_into_a_grammar():
+    required = parse_generate({"messages": CHAT, "tools": TOOLS, "tool_choice": "required"})
+    named = parse_generate({"messages": CHAT, "tools": TOOLS,
+                            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert required.tool_choice.forces_call and required.tool_choice.function is None
+    assert named.tool_choice.forces_call and named.tool_choice.function == "get_weather"
+    assert required.constraint is None and named.constraint is None  # the daemon adds it, in the model's format
+    assert not parse_generate({"messages": CHAT, "tools": TOOLS, "tool_choice": "none"}).tool_choice.forces_call
+
+
 @pytest.mark.parametrize("params, says", [
     ({"prompt": "hi", "tools": TOOLS}, "need 'messages'"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, "function.name"),
-    ({"messages": CHAT, "tools": TOOLS, "tool_choice": "required"}, "not supported yet"),
-    ({"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "not supported yet"),
+    ({"messages": CHAT, "tool_choice": "required"}, "needs 'tools'"),
+    ({"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "constraint": {"json_object": True}},
+     "cannot go with 'constraint'"),
+    ({"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "cache": {"verify": True}}, "cannot go with 'cache.verify'"),
+    ({"messages": CHAT, "tools": TOOLS, "tool_choice": "sometimes"}, "must be \"auto\""),
     ({"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}},
      "not in 'tools'"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
