@@ -11,8 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ...protocol.methods import PromptInput
+from ...protocol.methods import parse_prompt_input
 from .anthropic_shapes import COUNT_FIELDS, MessagesReply, StopSequences, messages_request, prompt_messages
+from .anthropic_tools import generate_tool_fields
 from .http_errors import anthropic_body, from_rpc, invalid, reject_unknown
 from .http_jobs import LazyStream, RunningJob, compact_json, handlers_of, json_object, result_in_stream
 
@@ -55,15 +56,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 job.stop_early()
             if not stream.started:
                 await start(job.prompt_tokens() or 0)  # encoded before any chunk, so known here
-            if text:
-                await stream.send(reply.text_delta(text))
+            for event in reply.text_events(text) if text else []:
+                await stream.send(event)
+            for call in chunk.get("tool_calls", []):
+                for event in reply.tool_use_events(call):
+                    await stream.send(event)
         # An "error" event: the anthropic client raises on it.
         if (result := await result_in_stream(job, stream, lambda err: anthropic_body(from_rpc(err)))) is None:
             return stream.response
         if not stream.started:
             await start(result["usage"]["prompt_tokens"])
-        if tail := stops.flush():
-            await stream.send(reply.text_delta(tail))
+        for event in reply.text_events(tail) if (tail := stops.flush()) else []:
+            await stream.send(event)
         for event in reply.end_events(result, stops.matched):
             await stream.send(event)
         return await stream.finish()
@@ -72,7 +76,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     body = await json_object(request)
     reject_unknown(body, COUNT_FIELDS)
-    chat = prompt_messages(body, notes=[])
+    notes: list[str] = []
+    chat = prompt_messages(body, notes)
     model = body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None
-    _, encoded = await handlers_of(request).intake.encode(model, PromptInput(messages=tuple(chat)), generates=None)
+    prompt = parse_prompt_input({"messages": chat, **generate_tool_fields(body, notes)})  # tools are counted too
+    _, encoded = await handlers_of(request).intake.encode(model, prompt, generates=None)
     return web.json_response({"input_tokens": len(encoded.tokens)})

@@ -2,8 +2,9 @@
 
 Pure data, no I/O (``anthropic_api`` runs it). Every request field is
 honoured, accepted where it cannot change the answer (named in
-``prefixd_notes``), or refused with a 400 naming it; tools wait for
-prefixd's tool calls. ``usage`` splits the prompt as Anthropic does:
+``prefixd_notes``), or refused with a 400 naming it. Tools, tool choice and
+tool blocks are translated in ``anthropic_tools``; a reply's tool calls are
+``tool_use`` blocks (stop reason "tool_use"), streamed as a block each. ``usage`` splits the prompt as Anthropic does:
 ``input_tokens`` were computed for this request, ``cache_read_input_tokens``
 came from the prefix store (prefixd caches every prefix by itself, so it
 never reports ``cache_creation_input_tokens``); the full cache map rides
@@ -15,12 +16,15 @@ reply names the sequence that ended it, which the engine's reply does not say.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...protocol import methods as m
+from ...protocol.tools import FINISH_TOOL_CALLS
 from ..engine.stop_strings import StopStringMatcher
+from .anthropic_tools import CACHE_CONTROL_NOTE, assistant_message, generate_tool_fields, has_tool_blocks, user_messages
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
@@ -28,8 +32,7 @@ MESSAGE_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences",
                   "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control")
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control")
 TEXT_BLOCK_FIELDS = ("type", "text", "cache_control", "citations")
-CACHE_CONTROL_NOTE = "cache_control: prefixd caches every prompt prefix on its own; breakpoints are not needed"
-_STOP_REASONS = {m.FINISH_STOP: "end_turn", m.FINISH_LENGTH: "max_tokens"}
+_STOP_REASONS = {m.FINISH_STOP: "end_turn", m.FINISH_LENGTH: "max_tokens", FINISH_TOOL_CALLS: "tool_use"}
 
 
 @dataclass
@@ -44,6 +47,7 @@ def messages_request(body: dict[str, Any], default_model: str) -> MessagesReques
     reject_unknown(body, MESSAGE_FIELDS)
     notes: list[str] = []
     messages = prompt_messages(body, notes)
+    tool_fields = generate_tool_fields(body, notes)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise invalid("'max_tokens' is required", "max_tokens")
@@ -56,7 +60,7 @@ def messages_request(body: dict[str, Any], default_model: str) -> MessagesReques
         reject_unknown(body["metadata"], ("user_id",), "metadata")
         notes.append("metadata.user_id: recorded nowhere, no effect on the answer")
     # The engine always streams to the front here: the front matches the stop sequences itself.
-    generate: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+    generate: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True, **tool_fields}
     for name in ("model", "temperature", "top_p"):
         if body.get(name) is not None:
             generate[name] = body[name]
@@ -65,9 +69,9 @@ def messages_request(body: dict[str, Any], default_model: str) -> MessagesReques
     return MessagesRequest(params, params.model or default_model, tuple(stops), notes)
 
 
-def prompt_messages(body: dict[str, Any], notes: list[str]) -> list[dict[str, str]]:
-    """The chat as prefixd's {role, content} messages: the system prompt first, then the turns."""
-    _refuse_tools(body)
+def prompt_messages(body: dict[str, Any], notes: list[str]) -> list[dict[str, Any]]:
+    """The chat as prefixd's messages: the system prompt first, then the turns (tool blocks as tool calls and results)."""
+    _refuse_thinking(body)
     if body.get("cache_control") is not None:  # the request-wide breakpoint of automatic caching
         notes.append(CACHE_CONTROL_NOTE)
     raw = body.get("messages")
@@ -83,17 +87,20 @@ def prompt_messages(body: dict[str, Any], notes: list[str]) -> list[dict[str, st
         reject_unknown(message, ("role", "content"), where)
         if message.get("role") not in ("user", "assistant"):
             raise invalid(f"'{where}.role' must be \"user\" or \"assistant\"", f"{where}.role")
-        messages.append({"role": message["role"], "content": _text_of(message.get("content"), f"{where}.content", notes)})
+        content, text_of = message.get("content"), lambda blocks, place: _text_of(blocks, place, notes)
+        if has_tool_blocks(content) and message["role"] == "assistant":
+            messages.append(assistant_message(content, f"{where}.content", text_of, notes))
+        elif has_tool_blocks(content):
+            messages += user_messages(content, f"{where}.content", text_of, notes)
+        else:
+            messages.append({"role": message["role"], "content": text_of(content, f"{where}.content")})
     if messages[-1]["role"] == "assistant":
         raise invalid("a last assistant message (prefilling the answer) is not supported yet; end with a user message",
                       f"messages[{len(raw) - 1}]")
     return messages
 
 
-def _refuse_tools(body: dict[str, Any]) -> None:
-    for name in ("tools", "tool_choice"):
-        if body.get(name):
-            raise invalid(f"'{name}' is not supported yet: prefixd has no tool calls on the Anthropic API", name)
+def _refuse_thinking(body: dict[str, Any]) -> None:
     thinking = body.get("thinking")
     if thinking is not None and thinking != {"type": "disabled"}:
         raise invalid("'thinking' is not supported (only {\"type\": \"disabled\"})", "thinking")
@@ -154,6 +161,8 @@ class MessagesReply:
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model
         self.notes = notes
+        self._num_blocks = 0  # content blocks started so far in a streamed reply
+        self._text_open = False  # the last one started is a text block not yet stopped
 
     def stop_reason(self, result: dict[str, Any], matched: str | None) -> str:
         return "stop_sequence" if matched is not None else _STOP_REASONS.get(result["finish_reason"], "end_turn")
@@ -169,8 +178,10 @@ class MessagesReply:
         return {**extras, "prefixd_notes": self.notes} if self.notes else extras
 
     def message(self, result: dict[str, Any], text: str, matched: str | None) -> dict[str, Any]:
+        calls = result.get("tool_calls") or []
+        content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(call) for call in calls]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": text}],
+                "content": content,
                 "stop_reason": self.stop_reason(result, matched), "stop_sequence": matched,
                 "usage": self.usage(result), **self._extras(result)}
 
@@ -181,14 +192,42 @@ class MessagesReply:
         # message_start counts the whole prompt as input.
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+        self._num_blocks, self._text_open = 1, True
         return [{"type": "message_start", "message": message},
                 {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
 
-    @staticmethod
-    def text_delta(text: str) -> dict[str, Any]:
-        return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+    def text_events(self, text: str) -> list[dict[str, Any]]:
+        """A piece of text: in the open text block, or in a new one after a tool_use block."""
+        events = []
+        if not self._text_open:
+            events.append({"type": "content_block_start", "index": self._num_blocks, "content_block": {"type": "text", "text": ""}})
+            self._num_blocks, self._text_open = self._num_blocks + 1, True
+        return events + [{"type": "content_block_delta", "index": self._num_blocks - 1, "delta": {"type": "text_delta", "text": text}}]
+
+    def tool_use_events(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A whole tool call (prefixd's call map) as its own block: start, its input as one input_json_delta, stop."""
+        events = self._close_text()
+        index = self._num_blocks
+        self._num_blocks += 1
+        block = {**_tool_use(call), "input": {}}  # Anthropic starts a tool_use with empty input, then streams it
+        return events + [{"type": "content_block_start", "index": index, "content_block": block},
+                         {"type": "content_block_delta", "index": index,
+                          "delta": {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}},
+                         {"type": "content_block_stop", "index": index}]
 
     def end_events(self, result: dict[str, Any], matched: str | None) -> list[dict[str, Any]]:
         delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(result, matched), "stop_sequence": matched},
                  "usage": self.usage(result), **self._extras(result)}
-        return [{"type": "content_block_stop", "index": 0}, delta, {"type": "message_stop"}]
+        return self._close_text() + [delta, {"type": "message_stop"}]
+
+    def _close_text(self) -> list[dict[str, Any]]:
+        if not self._text_open:
+            return []
+        self._text_open = False
+        return [{"type": "content_block_stop", "index": self._num_blocks - 1}]
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    """A call map of prefixd's (arguments as JSON text) as an Anthropic tool_use block (input as an object)."""
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"])}

@@ -55,10 +55,11 @@ async def _answer(request: web.Request, parsed: OllamaRequest, chat: bool) -> we
     async with RunningJob(request, parsed.params) as job:
         if not parsed.stream:
             pieces = [chunk["text"] async for chunk in job.chunks()]
-            return web.json_response(reply.final(await job.result(), "".join(pieces)))
+            result = await job.result()
+            return web.json_response(reply.final(result, "".join(pieces), result.get("tool_calls")))
         stream = LazyStream(request, "application/x-ndjson", ndjson_line)
         async for chunk in job.chunks():
-            await stream.send(reply.chunk(chunk["text"]))
+            await stream.send(reply.chunk(chunk["text"], chunk.get("tool_calls")))
         # The ollama client raises ResponseError on an error line.
         if (result := await result_in_stream(job, stream, lambda err: ollama_body(from_rpc(err)))) is None:
             return stream.response

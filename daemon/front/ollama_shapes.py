@@ -7,12 +7,19 @@ Replies carry Ollama's counters in the final chunk (prompt_eval_count,
 eval_count, durations in nanoseconds) and prefixd's ``cache`` map beside them
 as ``prefixd_cache``.
 
+Tools are OpenAI's shape in Ollama's API too: ``tools`` go to the chat
+template, a reply's calls come back as ``message.tool_calls``
+([{function: {index, name, arguments: object}}]), an assistant message's
+``tool_calls`` and a ``tool`` message's ``tool_name`` go back into the chat.
+Ollama has no ``tool_choice``: the model decides (prefixd's "auto").
+
 Defaults differ from Ollama's: an omitted temperature is greedy (prefixd's
 default), not 0.8, and a model's answer length defaults to 256 tokens.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -20,6 +27,7 @@ from typing import Any, Callable
 from ...protocol import methods as m
 from ...protocol.errors import RpcError
 from ...protocol.keep_alive import parse_keep_alive
+from ...protocol.tools import FINISH_TOOL_CALLS
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
@@ -33,7 +41,8 @@ RUNTIME_OPTIONS = ("num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock",
 # Options about truncating a prompt that does not fit: prefixd never truncates (a prompt that does not fit is a 413).
 CONTEXT_OPTIONS = ("num_ctx", "num_keep")
 NEVER = "2318-01-01T00:00:00Z"  # Ollama's expires_at for a model kept loaded for good
-_DONE_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length"}
+# Ollama ends an answer that called tools with done_reason "stop", as any other that ended by itself.
+_DONE_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length", FINISH_TOOL_CALLS: "stop"}
 
 
 @dataclass
@@ -60,14 +69,15 @@ def now_rfc3339() -> str:
 
 def chat_request(body: dict[str, Any], default_model: str) -> OllamaRequest:
     reject_unknown(body, CHAT_FIELDS)
-    _refuse_features(body, ("tools", "think"))
+    _refuse_features(body, ("think",))
     messages = body.get("messages")
     if messages is None or messages == []:
         return _load_only(body, default_model)  # Ollama's way to load a model: a chat with no messages
     if not isinstance(messages, list):
         raise invalid("'messages' must be an array of {role, content} objects", "messages")
     parsed = [_chat_message(i, message) for i, message in enumerate(messages)]
-    return _with_options(body, default_model, {"messages": parsed, **_format_constraint(body.get("format"))})
+    tools = {"tools": body["tools"]} if body.get("tools") else {}  # validated by parse_generate
+    return _with_options(body, default_model, {"messages": parsed, **tools, **_format_constraint(body.get("format"))})
 
 
 def generate_request(body: dict[str, Any], default_model: str,
@@ -112,7 +122,7 @@ def _format_constraint(value: Any) -> dict[str, Any]:
 
 def _refuse_features(body: dict[str, Any], names: tuple[str, ...]) -> None:
     """Fields whose features prefixd does not have yet; their empty values ("", [], false) mean "off" and pass."""
-    reasons = {"tools": "tool calls are not implemented yet", "think": "thinking mode is not supported", "images": "images are not supported (text models only)",
+    reasons = {"think": "thinking mode is not supported", "images": "images are not supported (text models only)",
                "template": "a custom prompt template is not supported; prefixd uses the model's chat template (or raw=true)",
                "context": "the deprecated 'context' token list is not supported; send the conversation to /api/chat "
                           "(prefixd's prefix cache makes resending it cheap)"}
@@ -121,17 +131,22 @@ def _refuse_features(body: dict[str, Any], names: tuple[str, ...]) -> None:
             raise invalid(f"'{name}' is not supported: {reasons[name]}", name)
 
 
-def _chat_message(index: int, message: Any) -> dict[str, str]:
+def _chat_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(f"messages[{index}] must be an object with 'role' and 'content'", "messages")
     reject_unknown(message, MESSAGE_FIELDS, f"messages[{index}]")
-    for name in ("images", "tool_calls", "thinking", "tool_name"):
+    for name in ("images", "thinking"):
         if message.get(name) not in (None, "", []):
             raise invalid(f"'messages[{index}].{name}' is not supported yet", f"messages[{index}].{name}")
-    role, content = message.get("role"), message.get("content", "")
+    role, content = message.get("role"), message.get("content") or ""
     if not isinstance(role, str) or not isinstance(content, str):
         raise invalid(f"messages[{index}] needs a string 'role' and a string 'content'", "messages")
-    return {"role": role, "content": content}
+    parsed: dict[str, Any] = {"role": role, "content": content}
+    if message.get("tool_calls"):  # {function: {name, arguments: object}}: parse_generate checks them
+        parsed["tool_calls"] = message["tool_calls"]
+    if message.get("tool_name") is not None:  # a tool result names the tool it comes from (templates read ``name``)
+        parsed["name"] = message["tool_name"]
+    return parsed
 
 
 def _load_only(body: dict[str, Any], default_model: str) -> OllamaRequest:
@@ -216,17 +231,23 @@ class OllamaReply:
         self.model = model
         self.notes = notes
 
-    def _text(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+    def _text(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        if not self.chat:
+            return {"response": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [_ollama_call(call, position) for position, call in enumerate(calls)]
+        return {"message": message}
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return {"model": self.model, "created_at": now_rfc3339(), **self._text(text), "done": False}
+    def chunk(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """A streamed chunk: a piece of text, and the tool calls that became whole in it (prefixd's call maps)."""
+        return {"model": self.model, "created_at": now_rfc3339(), **self._text(text, calls), "done": False}
 
-    def final(self, result: dict[str, Any], text: str = "") -> dict[str, Any]:
-        """The last chunk (``text``: what it carries, the whole answer when not streamed): counters, cache map, notes."""
+    def final(self, result: dict[str, Any], text: str = "", calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The last chunk (``text``, ``calls``: what it carries, the whole answer when not streamed): counters, cache map, notes."""
         timings, usage = result["timings"], result["usage"]
         reply = {
-            "model": self.model, "created_at": now_rfc3339(), **self._text(text), "done": True,
+            "model": self.model, "created_at": now_rfc3339(), **self._text(text, calls), "done": True,
             "done_reason": _DONE_REASONS.get(result["finish_reason"], "stop"),
             "total_duration": _ns(timings["total_ms"]),
             "load_duration": 0,  # a model loaded for this request blocked the engine before it was admitted: not timed per request
@@ -248,6 +269,16 @@ class OllamaReply:
         if self.notes:
             reply["prefixd_notes"] = self.notes
         return reply
+
+
+def _ollama_call(call: dict[str, Any], position: int) -> dict[str, Any]:
+    """A call map of prefixd's (OpenAI's: arguments as JSON text) in Ollama's shape: arguments as an object.
+
+    ``index`` counts the answer's calls: a streamed call map has its own, a reply's calls are in order.
+    """
+    function = call["function"]
+    return {"function": {"index": call.get("index", position), "name": function["name"],
+                         "arguments": json.loads(function["arguments"])}}
 
 
 def _ns(milliseconds: float) -> int:

@@ -9,8 +9,10 @@ alike); replies carry prefixd's ``cache`` map as ``prefixd_cache`` and its
 Fields prefixd cannot honour change the answer, so they are refused (n > 1,
 logprobs). On /v1/chat/completions, fields that only tune what OpenAI's
 servers do (user, penalties, ...) are ignored; ``response_format`` becomes a
-constraint (constrained decoding), ``tools`` are refused until tool calls are
-parsed over HTTP; /v1/completions refuses every
+constraint (constrained decoding); ``tools`` and ``tool_choice`` go to the
+generate as they are (OpenAI's shapes are the socket's), and the calls come
+back as ``message.tool_calls`` or streamed ``delta.tool_calls``; the
+deprecated ``functions`` / ``function_call`` are refused. /v1/completions refuses every
 field it does not honour, naming it (``user`` is accepted: it only labels
 the caller). ``suffix`` reaches it as a FIM prompt built by ``infill_api``.
 Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
@@ -24,10 +26,11 @@ from typing import Any
 
 from ...protocol import methods as m
 from ...protocol.errors import RpcError
+from ...protocol.tools import FINISH_TOOL_CALLS
 from . import http_errors
 from .json_body import parse_json_body  # noqa: F401  (shapes.parse_json_body, as before)
 
-_FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length"}
+_FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length", FINISH_TOOL_CALLS: "tool_calls"}
 _invalid = http_errors.invalid
 
 
@@ -67,8 +70,7 @@ def chat_request(body: Any) -> m.GenerateParams:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
-    _refuse_tools(body)
-    params = {**_common(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]}
+    params = {**_common(body), **_tool_fields(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]}
     constraint = response_format_constraint(body.get("response_format"))
     if constraint is not None:
         params["constraint"] = constraint
@@ -98,21 +100,25 @@ def response_format_constraint(response_format: Any) -> dict[str, Any] | None:
     raise _invalid("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"", "response_format")
 
 
-def _refuse_tools(body: dict[str, Any]) -> None:
-    """Tool calls over HTTP are not wired yet: a request that sends tools is refused, never answered without them."""
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _invalid(f"'{name}' is not supported yet on /v1/chat/completions (tool calls are not parsed); "
-                           "use response_format json_schema to get structured answers", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise _invalid(f"'{name}' is not supported yet on /v1/chat/completions", name)
+def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` as generate params (validated there); what prefixd cannot honour is refused."""
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise _invalid(f"'{name}' is OpenAI's deprecated form of tool calls: send 'tools' and 'tool_choice'", name)
+    choice = body.get("tool_choice")
+    if body.get("parallel_tool_calls") is False and body.get("tools") and choice in (None, "auto"):
+        # A forced call is always exactly one; under "auto" the model writes as many as it likes.
+        raise _invalid("'parallel_tool_calls' false is honoured only with a 'tool_choice' that forces one call "
+                       "(\"required\" or a named function)", "parallel_tool_calls")
+    return {key: body[key] for key in ("tools", "tool_choice") if body.get(key) is not None}
 
 
-def _chat_message(index: int, message: Any) -> dict[str, str]:
+def _chat_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _invalid(f"messages[{index}] must be an object with a string 'role'", "messages")
     content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""  # an assistant turn that only calls tools
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
@@ -123,7 +129,9 @@ def _chat_message(index: int, message: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise _invalid(f"messages[{index}].content must be a string or an array of text parts", "messages")
     role = "system" if message["role"] == "developer" else message["role"]
-    return {"role": role, "content": content}
+    # tool_calls (assistant) and tool_call_id / name (tool) are checked by parse_generate
+    tool_keys = {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key) is not None}
+    return {"role": role, "content": content, **tool_keys}
 
 
 # /v1/completions: every field OpenAI defines (and prefixd's own session and cache); any other is a 400 naming it.
@@ -188,7 +196,10 @@ class Reply:
         """The whole reply of a non-streamed request."""
         finish = _FINISH_REASONS.get(result["finish_reason"], "stop")
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish, "logprobs": None}
+            message: dict[str, Any] = {"role": "assistant", "content": result["text"]}
+            if result.get("tool_calls"):
+                message = {"role": "assistant", "content": result["text"] or None, "tool_calls": result["tool_calls"]}
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": None}
         return {**self._envelope(self.object, [choice]), **self.extras(result)}
@@ -215,6 +226,17 @@ class Reply:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}])
+
+    def tool_calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A streamed chunk with whole calls as ``delta.tool_calls`` ({index, id, type, function: {name, arguments}}).
+
+        OpenAI sends a call's name first and its arguments in pieces; a client
+        joins the pieces by ``index``, so a call sent whole in one piece reads the same.
+        """
+        delta = {"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
+                                 "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
+                                for call in calls]}
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
 
     def closing_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
         """The chunk that carries the finish reason, plus prefixd's cache figures."""

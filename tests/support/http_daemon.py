@@ -49,10 +49,12 @@ class HttpDaemon(DaemonProcess):
 
 
 @contextmanager
-def http_daemon(tiny_llama_dir: Path, workdir: Path) -> Iterator[HttpDaemon]:
-    fim_dir = ensure_fim_model(tiny_llama_dir, tiny_llama_dir.parent)
+def http_daemon(tiny_llama_dir: Path, workdir: Path, model_dirs: list[Path] | None = None) -> Iterator[HttpDaemon]:
+    """``model_dirs``: the models to serve, the first the default (the tiny llama and its FIM copy when None)."""
+    if model_dirs is None:
+        model_dirs = [tiny_llama_dir, ensure_fim_model(tiny_llama_dir, tiny_llama_dir.parent)]
     port = free_tcp_port()
-    daemon = HttpDaemon([tiny_llama_dir, fim_dir], workdir, ["--log-level", "debug", "--http", f"127.0.0.1:{port}"])
+    daemon = HttpDaemon(model_dirs, workdir, ["--log-level", "debug", "--http", f"127.0.0.1:{port}"])
     with daemon:
         daemon.base_url = f"http://127.0.0.1:{port}"
         _wait_for_http(daemon)
