@@ -48,7 +48,9 @@ def encode_request(msgid: int, method: str, params: dict[str, Any]) -> bytes:
 class PromptOptions(TypedDict, total=False):
     """Keyword arguments naming a prompt (besides the positional text ``prompt``)."""
 
-    messages: list[dict[str, str]]  # chat: [{role, content}, ...], rendered by the model's template
+    # chat: [{role, content}, ...], rendered by the model's template; an assistant message may carry a
+    # result's tool_calls, a {role: "tool", tool_call_id, content} message a tool's result
+    messages: list[dict[str, Any]]
     tokens: list[int]  # token ids, sent as they are
     model: str  # a model name from models(); the daemon's default when omitted
     add_generation_prompt: bool  # messages only; default true
@@ -66,7 +68,9 @@ class GenerateOptions(PromptOptions, total=False):
     session: str
     cache: bool | dict[str, bool]  # {use, store, verify}; False means neither use nor store (a cold run)
     constraint: dict[str, Any]  # {json_schema: {...}} | {json_object: True} | {regex: "..."} | {lark: "..."}
-    tool_choice: str | dict[str, Any]  # "auto" (default) or "none"
+    # "auto" (default), "none", "required" or {type: "function", function: {name}}: with tools, the result
+    # (and a streamed chunk where a call is complete) carries tool_calls, finish_reason "tool_calls"
+    tool_choice: str | dict[str, Any]
 
 
 def prompt_params(prompt: str | None = None, **options: Unpack[PromptOptions]) -> dict[str, Any]:
