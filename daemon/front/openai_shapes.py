@@ -7,8 +7,11 @@ alike); replies carry prefixd's ``cache`` map as ``prefixd_cache`` and its
 ``reused_tokens`` as ``usage.prompt_tokens_details.cached_tokens``.
 
 Fields prefixd cannot honour change the answer, so they are refused (n > 1,
-logprobs). On /v1/chat/completions, fields that only tune what OpenAI's
-servers do (user, penalties, ...) are ignored; ``response_format`` becomes a
+logprobs), and so is any field OpenAI does not define. On /v1/chat/completions,
+fields that only label the request or tune OpenAI's own service (user,
+metadata, store, service_tier, ...) are accepted, penalties and the sampling
+extras other servers take (top_k, min_p, ...) only where they cannot change
+the answer (sampling_fields); ``response_format`` becomes a
 constraint (constrained decoding); ``tools`` and ``tool_choice`` go to the
 generate as they are (OpenAI's shapes are the socket's), and the calls come
 back as ``message.tool_calls`` or streamed ``delta.tool_calls``; the
@@ -29,6 +32,7 @@ from ...protocol.errors import RpcError
 from ...protocol.tools import FINISH_TOOL_CALLS
 from . import http_errors
 from .json_body import parse_json_body  # noqa: F401  (shapes.parse_json_body, as before)
+from .sampling_fields import GREEDY_EXACT, NEUTRAL_VALUES, check_sampling_extras
 
 _FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length", FINISH_TOOL_CALLS: "tool_calls"}
 _invalid = http_errors.invalid
@@ -63,10 +67,26 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+# /v1/chat/completions: the fields prefixd honours; those that only label the request or tune OpenAI's own
+# service (they cannot change the answer); penalties and other servers' sampling extras (checked by
+# sampling_fields); prefixd's own session and cache. Any other is a 400 naming it.
+CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+               "stream_options", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "response_format", "tools",
+               "tool_choice", "parallel_tool_calls", "functions", "function_call", "session", "cache")
+CHAT_LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+CHAT_SAMPLING_EXTRAS = GREEDY_EXACT + tuple(NEUTRAL_VALUES)
+
+
 def chat_request(body: Any) -> m.GenerateParams:
     """A /v1/chat/completions body as GenerateParams."""
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
+    http_errors.reject_unknown(body, CHAT_FIELDS + CHAT_LABEL_FIELDS + CHAT_SAMPLING_EXTRAS)
+    if body.get("logit_bias"):
+        raise _invalid("'logit_bias' is not supported", "logit_bias")
+    temperature = body.get("temperature")
+    check_sampling_extras({name: body.get(name) for name in CHAT_SAMPLING_EXTRAS},
+                          float(temperature) if isinstance(temperature, (int, float)) else 0.0)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
