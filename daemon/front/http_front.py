@@ -324,8 +324,8 @@ async def _stream(request: web.Request, reply: shapes.Reply, job: RunningJob, in
             await stream.send(reply.chunk(first=True))
         if chunk["text"] or not chunk.get("tool_calls"):
             await stream.send(reply.chunk(chunk["text"]))
-        if chunk.get("tool_calls"):
-            await stream.send(reply.tool_calls_chunk(chunk["tool_calls"]))
+        for piece in reply.tool_call_chunks(chunk.get("tool_calls", [])):
+            await stream.send(piece)
     # The openai client raises APIError on an error chunk.
     if (result := await result_in_stream(job, stream, lambda err: shapes.error_body(err)[1])) is None:
         return stream.response

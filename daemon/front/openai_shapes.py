@@ -247,16 +247,23 @@ class Reply:
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}])
 
-    def tool_calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """A streamed chunk with whole calls as ``delta.tool_calls`` ({index, id, type, function: {name, arguments}}).
+    def tool_call_chunks(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Whole calls as OpenAI streams them: per call a ``delta.tool_calls`` chunk with its index, id, type and
+        name (arguments ""), then one with its arguments; clients join the pieces by ``index``.
 
-        OpenAI sends a call's name first and its arguments in pieces; a client
-        joins the pieces by ``index``, so a call sent whole in one piece reads the same.
+        prefixd holds a call back until it is complete (its markup must not
+        reach the text), so its arguments come in one piece, not token by token.
         """
-        delta = {"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
-                                 "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
-                                for call in calls]}
-        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
+        chunks = []
+        for call in calls:
+            function = call["function"]
+            head = {"index": call["index"], "id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": ""}}
+            chunks += [self._tool_delta(head), self._tool_delta({"index": call["index"], "function": {"arguments": function["arguments"]}})]
+        return chunks
+
+    def _tool_delta(self, piece: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None, "logprobs": None}])
 
     def closing_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
         """The chunk that carries the finish reason, plus prefixd's cache figures."""

@@ -85,8 +85,11 @@ def test_openai_a_streamed_call_arrives_as_delta_tool_calls(openai_client):
     chunks = list(openai_client.chat.completions.create(
         model=MODEL, messages=user("Stream a call"), tools=TOOLS, max_tokens=100, tool_choice="required", stream=True))
     deltas = [d for chunk in chunks if chunk.choices for d in (chunk.choices[0].delta.tool_calls or [])]
-    assert [d.index for d in deltas] == [0] and deltas[0].id.startswith("call_") and deltas[0].type == "function"
-    check_arguments(deltas[0].function.name, json.loads(deltas[0].function.arguments))
+    # As OpenAI streams a call: its index, id, type and name first, then its arguments, joined by index.
+    head, arguments = deltas
+    assert head.index == arguments.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.arguments == "" and arguments.id is None and arguments.function.name is None
+    check_arguments(head.function.name, json.loads(arguments.function.arguments))
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == ""  # no markup as text
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
 
