@@ -245,6 +245,11 @@ class Engine:
             if shadow.has_urgent_work:  # verify requests' checks share the engine's time: a pass per iteration
                 shadow.step()
             return
+        if self.residency.waits_for_room:
+            # Nothing runs, so the room frees up as the last replies go out (they
+            # unpin their models); queued jobs stay behind the parked one till then.
+            time.sleep(0.005)
+            return
         # Idle. A pending shadow check runs one pass at a time, and only while
         # nothing is queued: a request arriving now waits one pass at most.
         item = self.inbox.take(timeout=0 if shadow.has_work or loading else 0.25)
@@ -283,10 +288,19 @@ class Engine:
         if self.on_dead is not None:
             self.on_dead(reason)
 
+    def _serving_models(self) -> set[str]:
+        """The models of the jobs taken in: running, or held until their KV fits. Engine thread."""
+        serving = {seq.loaded.name for seq in self.scheduler.active} if self.scheduler is not None else set()
+        if self._held_job is not None:
+            serving.add(self.entry_for(self._held_job.params.model).name)
+        return serving
+
     def _admit_jobs(self) -> None:
         scheduler = self.scheduler
         while scheduler.can_admit():
-            job = self._held_job or self.residency.next_parked() or self.inbox.take_job()
+            job = self._held_job or self.residency.next_parked()
+            if job is None and not self.residency.waits_for_room:  # first come, first served across models
+                job = self.inbox.take_job()
             self._held_job = None
             if job is None:
                 return
@@ -328,7 +342,7 @@ class Engine:
         in_steps = self._load_entry_in_steps if type(self).load_one_model is Engine.load_one_model else None
         self.residency = ModelResidency(self.catalog, load=self._load_entry, on_unload=self._forget_model,
                                         keep_alive=self.settings.keep_alive_s, max_bytes=self.settings.max_model_bytes,
-                                        load_steps=in_steps)
+                                        load_steps=in_steps, serving=self._serving_models)
         if self.default_model is not None:
             self.residency.ensure_loaded(self.default_model, None)
 

@@ -4,16 +4,18 @@ Every configured model has a slot; a slot holds its ``LoadedModel`` while it
 is resident. Rules:
 
 * A job pins its model from ``Engine.submit`` until its reply (done or failed)
-  is emitted: queued and running jobs both count, so a model is never
-  unloaded under a request that was promised to it.
+  is emitted: a pinned model never unloads for its keep_alive.
 * An unpinned model stays for its ``keep_alive`` (the last request's, or the
   daemon's ``--keep-alive`` when that request gave none, as Ollama does;
   negative: for good; 0: unloaded as soon as its last job ends), then the
   engine unloads it between steps.
-* Before a load, if ``--max-model-memory`` would be passed, unpinned models are
-  unloaded least recently used first; if pinned ones stand in the way, the job
-  waits (parked here) while every other job goes on, and is retried each
-  iteration. A model larger than the limit on its own fails its requests.
+* Before a load, if ``--max-model-memory`` would be passed, models that serve
+  no request the engine has taken in are unloaded least recently used first
+  (one whose jobs are all still queued reloads when their turn comes); if
+  serving ones stand in the way, the job waits (parked here), retried each
+  iteration, and the engine takes no new job meanwhile (``waits_for_room``),
+  so the serving ones drain. A model larger than the limit on its own fails
+  its requests.
 * A load that fails fails that request with MODEL_LOAD_FAILED; the next
   request for the model tries again.
 
@@ -81,10 +83,14 @@ class ModelResidency:
         max_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
         load_steps: Callable[[CatalogEntry], Generator[None, None, LoadedModel]] | None = None,
+        serving: Callable[[], set[str]] | None = None,
     ):
         """``load``: a whole load (at start, Ollama's load request); ``load_steps``: a load in steps, one per
-        engine iteration, for a request's model (None: requests load whole too)."""
+        engine iteration, for a request's model (None: requests load whole too); ``serving``: the models
+        whose jobs the engine has taken in (running, or held for KV room), which room is never made from;
+        None: every job, queued ones too, keeps its model from being unloaded for room."""
         self._load_steps = load_steps
+        self._serving = serving
         self.default_keep_alive = keep_alive
         self._slots = {name: _Slot(entry, keep_alive) for name, entry in catalog.items()}
         self._load = load
@@ -187,6 +193,18 @@ class ModelResidency:
         return None
 
     @property
+    def waits_for_room(self) -> bool:
+        """A parked job waits for models that serve requests to go idle (not for a load in steps).
+
+        The engine then takes no new jobs from the inbox: a steady stream of
+        requests for the loaded models would otherwise keep them pinned, and
+        the parked job would wait for as long as that stream lasts. Requests
+        behind it wait for what is running now to finish, as in Ollama.
+        """
+        return any(not job.cancelled.is_set() and self._slots[name].loaded is None and self._slots[name].loading is None
+                   for job, name in self._parked)
+
+    @property
     def num_parked(self) -> int:
         return len(self._parked)
 
@@ -284,9 +302,16 @@ class ModelResidency:
         return self.resident_bytes - idle + slot.entry.weight_bytes <= self.max_bytes
 
     def _evictable(self, wanted: _Slot) -> list[_Slot]:
-        """Loaded, unpinned models other than ``wanted``, least recently used first."""
+        """Loaded models other than ``wanted`` that serve no request now, least recently used first.
+
+        A job still queued behind the one that needs the room does not keep
+        its model: jobs are taken first come, first served across models
+        (``waits_for_room``), and it reloads its model when its turn comes.
+        """
+        serving = self._serving() if self._serving is not None else None
         with self._lock:
-            idle = [s for s in self._slots.values() if s is not wanted and s.loaded is not None and not s.num_jobs]
+            idle = [s for s in self._slots.values() if s is not wanted and s.loaded is not None
+                    and (not s.num_jobs if serving is None else s.entry.name not in serving)]
         return sorted(idle, key=lambda s: s.last_used)
 
     def _make_room(self, slot: _Slot) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import shutil
 import time
 
+import pytest
+
 from tests.e2e.daemon_process import RawConnection
 
 MODEL_LOAD_FAILED = -32010
@@ -114,6 +116,30 @@ def test_memory_limit_evicts_the_least_recently_used_idle_model_never_a_serving_
         assert other.result("stats")["residency"]["resident_bytes"] <= 24 << 20
     reasons = [(e["model"], e["reason"], e["for_model"]) for e in daemon.events("model_unloaded")]
     assert reasons == [("llama", "room", "lfm2"), ("lfm2", "room", "llama")]
+
+
+def test_a_request_waiting_for_room_is_served_before_later_requests_for_the_busy_model(start_daemon, tiny_llama_dir,
+                                                                                      tiny_lfm2_dir):
+    # Without first come, first served across models, a stream of llama requests would keep llama
+    # pinned and the lfm2 request waiting for as long as that stream lasts.
+    daemon = start_daemon(models=[tiny_llama_dir, tiny_lfm2_dir], extra_args=["--max-model-memory", "24M"])
+    with RawConnection(daemon.socket_path) as conn, RawConnection(daemon.socket_path) as other:
+        long_one = conn.request("generate", {"model": "llama", "prompt": "count: one two three", "max_tokens": 8000,
+                                             "stream": True})
+        wait_until(lambda: conn.read(timeout=60) is not None, 60, "llama streams")
+        waiting = other.request("generate", {"model": "lfm2", "messages": CHAT, "max_tokens": 4})
+        with RawConnection(daemon.socket_path) as watcher, RawConnection(daemon.socket_path) as latecomer:
+            wait_until(lambda: watcher.result("stats")["residency"]["waiting_for_room"] == 1, 30, "lfm2 waits for room")
+            later = latecomer.request("generate", {"model": "llama", "messages": CHAT, "max_tokens": 4})
+            with pytest.raises(TimeoutError):  # llama is loaded, but the later request waits behind lfm2's
+                latecomer.read(timeout=1.5)
+            conn.request("cancel", {"id": long_one})
+            conn.reply(long_one, timeout=60)  # read: its reply must go out before llama is idle
+            _, first = other.reply(waiting, timeout=120)
+            _, second = latecomer.reply(later, timeout=120)
+            assert first[2] is None and second[2] is None, (first[2], second[2])
+    loads = [(e["model"], e["reason"]) for e in daemon.events("model_unloaded")]
+    assert loads[:2] == [("llama", "room"), ("lfm2", "room")]  # lfm2 in its turn, then llama back for the later one
 
 
 def test_a_model_that_cannot_load_fails_its_request_and_the_daemon_serves_on(start_daemon, tiny_llama_dir,
