@@ -234,9 +234,11 @@ class LockstepEngine(Engine):
             if kind == FAILED and COLLECTIVE_ERROR.search(str(getattr(payload, "message", ""))):
                 self._collective_error = payload.message
             if kind in (DONE, FAILED):
-                self._jobs.pop(job_id, None)
+                copy = self._jobs.pop(job_id, None)
                 self._front_jobs.pop(job_id, None)
                 self._cancels_sent.discard(job_id)
+                if front is not None and copy is not None:
+                    front.answer_tokens = copy.answer_tokens  # the fronts remember a tool loop's answer (tool_calls.py)
             if front is not None:
                 front.emit(kind, payload)
 

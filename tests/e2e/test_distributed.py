@@ -19,6 +19,7 @@ import pytest
 
 from tests.e2e.daemon_process import DaemonProcess, RawConnection, daemon_command
 from tests.e2e.ranked_daemon import RankedDaemon, mlx_launcher
+from tests.e2e.test_tool_calls import TOOLS
 from tests.support.tiny_models import ensure_tiny_model
 
 pytestmark = pytest.mark.skipif(not Path(mlx_launcher()).is_file(), reason="mlx.launch is not installed")
@@ -135,6 +136,16 @@ def test_every_model_is_loaded_on_every_rank_at_start(tiny_llama_dir, tiny_tools
             assert [m["loaded"] for m in models] == [True, True]  # models on demand would load on one rank alone
             for model in models:
                 generate(conn, {"model": model["name"], "prompt": "which model answers", "max_tokens": 4})
+            # a tool loop's next turn reuses the previous one, answer included, on ranks too
+            tools_model = next(m["name"] for m in models if m["name"] != "llama")
+            messages = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+            first = generate(conn, {"model": tools_model, "messages": messages, "tools": TOOLS, "max_tokens": 100,
+                                    "tool_choice": "required"})
+            (call,) = first["tool_calls"]
+            messages += [{"role": "assistant", "content": first["text"], "tool_calls": first["tool_calls"]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "clear"}'}]
+            second = generate(conn, {"model": tools_model, "messages": messages, "tools": TOOLS, "max_tokens": 4})
+            assert second["cache"]["reused_tokens"] >= first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
 
 
 def test_eviction_under_a_small_budget_keeps_the_ranks_together(tiny_llama_dir, tmp_path):
