@@ -11,32 +11,17 @@ running at the same time do not meet.
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Iterable
 
+from prefixd.daemon.service.ranks import free_port_range
 from tests.e2e.daemon_process import DaemonProcess
 
 
 def mlx_launcher() -> str:
     return str(Path(sys.executable).with_name("mlx.launch"))
-
-
-def free_port_range(num_ports: int) -> int:
-    """A first port such that ``num_ports`` consecutive loopback ports are free now."""
-    for _ in range(200):
-        first = random.randrange(20000, 60000 - num_ports)
-        try:
-            for port in range(first, first + num_ports):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError("no free range of loopback ports for the ring backend")
 
 
 def launch_command(num_ranks: int, port: int, command: list[str]) -> list[str]:
