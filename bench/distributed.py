@@ -1,20 +1,22 @@
 #!/usr/bin/env python
 """One daemon on 1 rank and on N ranks (mlx.launch, ring backend over loopback): decode speed and warm TTFT.
 
-    .venv/bin/python bench/distributed.py [--rounds 2] [--max-tokens 24]
+    .venv/bin/python bench/distributed.py [--rounds 2] [--max-tokens 24] [--only llama|ministral3|smollm2 ...]
 
-Two models, each on one process and then across ranks with tensor
-parallelism (mlx-lm's shard()): the tiny random llama of the tests on 2
-ranks, and SmolLM2-135M-Instruct on 3 (its 9 attention heads do not split
-over 2). Per round, a fresh prompt of about 600 tokens is sent cold (a miss:
+Each model on one process and then across ranks: the tiny random llama of
+the tests on 2 ranks, tensor parallel (mlx-lm's shard()); the tiny random
+ministral3 on 2 ranks, tensor and pipeline parallel (mlx-lm's pipeline():
+2 of its 4 layers per rank); SmolLM2-135M-Instruct on 3, tensor (its 9
+attention heads do not split over 2). Per round, a fresh prompt of about 600 tokens is sent cold (a miss:
 full prefill), then again (an exact hit: one token to run), greedy,
 ``max_tokens`` tokens; the figures are the daemon's own timings, median over
 rounds: cold TTFT, warm TTFT, decode tokens/s.
 
 On this project's 2-core CPU machine, ranks share the same two cores, so
 more ranks cannot be faster: the figures show what the lock-step costs
-(a broadcast per engine iteration, an all_sum per layer's attention and MLP
-output), not the speed-up of ranks that each have a device of their own.
+(a broadcast per engine iteration; tensor: an all_sum per layer's attention
+and MLP output; pipeline: a send/recv per rank boundary and an all_gather of
+the last hidden state per pass), not the speed-up of ranks that each have a device of their own.
 Nothing fails on a number: it is printed.
 """
 
@@ -55,11 +57,12 @@ def measure(daemon: DaemonProcess, rounds: int, max_tokens: int) -> dict[str, fl
             "completion_tokens": completion_tokens}
 
 
-def run(model: Path, num_ranks: int, workdir: Path, rounds: int, max_tokens: int) -> dict[str, float]:
+def run(model: Path, num_ranks: int, parallel: str, workdir: Path, rounds: int, max_tokens: int) -> dict[str, float]:
     if num_ranks == 1:
         daemon: DaemonProcess = DaemonProcess([model], workdir / f"{model.name}-1")
     else:
-        daemon = RankedDaemon([model], workdir / f"{model.name}-{num_ranks}", num_ranks=num_ranks)
+        daemon = RankedDaemon([model], workdir / f"{model.name}-{num_ranks}-{parallel}", num_ranks=num_ranks,
+                              extra_args=["--parallel", parallel])
     daemon.start(timeout=300)
     try:
         return measure(daemon, rounds, max_tokens)
@@ -71,20 +74,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--only", choices=["llama", "ministral3", "smollm2"], action="append",
+                        help="measure only these models (repeatable; default all)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pfx-dist-") as tmp:
         workdir = Path(tmp)
-        setups = [(ensure_tiny_model("llama", workdir / "models"), (1, 2))]
-        if (SMOLLM2 / "config.json").is_file():
-            setups.append((SMOLLM2, (1, 3)))
-        else:
-            print(f"(SmolLM2 is not set up at {SMOLLM2}: run ./run setup; measuring the tiny model only)")
-        print(f"{'model':<24} {'ranks':>5} {'prompt':>6} {'cold TTFT ms':>12} {'warm TTFT ms':>12} {'decode tok/s':>12}")
-        for model, rank_counts in setups:
-            for num_ranks in rank_counts:
-                figures = run(model, num_ranks, workdir, args.rounds, args.max_tokens)
-                print(f"{model.name:<24} {num_ranks:>5} {figures['prompt_tokens']:>6} {figures['cold_ttft_ms']:>12.1f} "
-                      f"{figures['warm_ttft_ms']:>12.1f} {figures['decode_tok_s']:>12.1f}", flush=True)
+        # (model, [(ranks, parallel mode), ...]); 1 rank is the plain one-process daemon.
+        setups = {"llama": (lambda: ensure_tiny_model("llama", workdir / "models"), [(1, "-"), (2, "tensor")]),
+                  "ministral3": (lambda: ensure_tiny_model("ministral3", workdir / "models"),
+                                 [(1, "-"), (2, "tensor"), (2, "pipeline")]),
+                  "smollm2": (lambda: SMOLLM2, [(1, "-"), (3, "tensor")])}
+        chosen = args.only or list(setups)
+        if "smollm2" in chosen and not (SMOLLM2 / "config.json").is_file():
+            print(f"(SmolLM2 is not set up at {SMOLLM2}: run ./run setup; measuring the tiny models only)")
+            chosen.remove("smollm2")
+        print(f"{'model':<24} {'ranks':>5} {'mode':>8} {'prompt':>6} {'cold TTFT ms':>12} {'warm TTFT ms':>12} "
+              f"{'decode tok/s':>12}")
+        for name in chosen:
+            make_model, runs = setups[name]
+            model = make_model()
+            for num_ranks, parallel in runs:
+                figures = run(model, num_ranks, parallel, workdir, args.rounds, args.max_tokens)
+                print(f"{model.name:<24} {num_ranks:>5} {parallel:>8} {figures['prompt_tokens']:>6} "
+                      f"{figures['cold_ttft_ms']:>12.1f} {figures['warm_ttft_ms']:>12.1f} "
+                      f"{figures['decode_tok_s']:>12.1f}", flush=True)
     print("ranks share this machine's cores: the figures show the lock-step's cost, not a speed-up")
     return 0
 

@@ -83,7 +83,7 @@ class LockstepEngine(Engine):
             settings = {f"--{key.replace('_', '-')}": value for key, value in dataclasses.asdict(self.settings).items()
                         if key != "model_specs"}
             check_peers(self.channel, "before loading", {
-                "prefixd": code_version(), "ranks": self.channel.size, **settings,
+                "prefixd": code_version(), "ranks": self.channel.size, "--parallel": self.distributed.parallel, **settings,
                 "model configs": [config_digest(spec) for spec in self.settings.model_specs]})
             super()._load_all()
             # Every model loads now and stays: a load or an unload is a collective (the sharded weights)
@@ -106,7 +106,7 @@ class LockstepEngine(Engine):
 
     def load_one_model(self, spec: str) -> LoadedModel:
         return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention,
-                          load_weights=make_sharded_loader(self.channel.group))
+                          load_weights=make_sharded_loader(self.channel.group, self.distributed.parallel))
 
     def store_clock(self) -> float:
         return self._clock
@@ -316,6 +316,7 @@ class LockstepControls(ControlCalls):
         """As on one process (rank 0's store: every rank's holds the same entries), plus the ranks."""
         engine = self.engine
         return {**super().stats(), "ranks": {"num_ranks": engine.channel.size, "backend": engine.distributed.backend,
+                                             "parallel": engine.distributed.parallel,
                                              "iterations": engine.iteration_number}}
 
     def unload_model(self, name: str) -> dict[str, Any]:

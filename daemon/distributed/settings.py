@@ -8,6 +8,8 @@ from dataclasses import dataclass
 # Backends mx.distributed.init accepts; "any" takes the first that works
 # (what mlx.launch set up: MLX_HOSTFILE for ring, NCCL_HOST_IP for nccl, ...).
 BACKENDS = ("any", "ring", "nccl", "jaccl", "mpi")
+# How a model is split over the ranks (sharded_loading.py): mlx-lm's shard() or its pipeline().
+PARALLEL_MODES = ("tensor", "pipeline")
 
 
 class DistributedStartError(Exception):
@@ -19,10 +21,13 @@ class DistributedSettings:
     backend: str  # one of BACKENDS
     rank_timeout_seconds: float  # an engine iteration taking longer means a rank is stuck or gone
     load_timeout_seconds: float = 600.0  # loading the models and the handshake, on every rank
+    parallel: str = "tensor"  # one of PARALLEL_MODES
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}: one of {', '.join(BACKENDS)}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"unknown parallel mode {self.parallel!r}: one of {', '.join(PARALLEL_MODES)}")
         if self.rank_timeout_seconds <= 0:
             raise ValueError("the rank timeout must be positive")
 

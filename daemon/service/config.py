@@ -198,6 +198,7 @@ OPTIONS: dict[str, Option] = {
         Option("ranks", integer(1), 1, "N > 1: run N local ranks through mlx.launch (see README, Several processes)"),
         Option("distributed_backend", choice("any", "ring", "nccl", "jaccl", "mpi"), "any", "what mlx.launch set up"),
         Option("rank_timeout", number(1), 60.0, "an engine iteration taking longer means a rank stopped answering"),
+        Option("parallel", choice("tensor", "pipeline"), "tensor", "how a model is split over the ranks"),
     )
 }
 

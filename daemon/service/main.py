@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, help="run N ranks on this machine through mlx.launch, each with its shard of the model (default 1)")
     parser.add_argument("--distributed-backend", choices=["any", "ring", "nccl", "jaccl", "mpi"], help="MLX's backend between ranks (default any: what mlx.launch set up)")
     parser.add_argument("--rank-timeout", type=float, help="seconds an engine iteration may take before the ranks are declared stuck (default 60)")
+    parser.add_argument("--parallel", choices=["tensor", "pipeline"], help="how each model is split over the ranks: tensor "
+                        "(mlx-lm's shard(): every layer's heads) or pipeline (its pipeline(): whole layers per rank); default tensor")
     return parser
 
 

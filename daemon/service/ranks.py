@@ -59,4 +59,4 @@ def distributed_engine(settings: ServerSettings, args: argparse.Namespace) -> Lo
     engine_settings = dataclasses.replace(settings.engine, shadow_rate=0.0, keep_alive_s=-1.0, max_model_bytes=0)
     return LockstepEngine(engine_settings, DistributedSettings(
         backend=args.distributed_backend, rank_timeout_seconds=args.rank_timeout,
-        load_timeout_seconds=settings.load_timeout_seconds))
+        load_timeout_seconds=settings.load_timeout_seconds, parallel=args.parallel))

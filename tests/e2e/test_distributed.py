@@ -5,7 +5,10 @@ prompt reused whole with the same answer, the cache map in every reply,
 concurrent sessions and cancellation as on one process; a rank that dies
 ends the daemon with a clear error within seconds; a rank started with
 another model is refused at start; a model whose heads do not divide over
-the ranks is refused with the rank counts that would work.
+the ranks is refused with the rank counts that would work. The same in
+pipeline mode (--parallel pipeline: whole layers per rank) on a tiny
+ministral3, whose mlx-lm code offers it, and a model that lacks the mode asked
+for is refused naming the one it has.
 """
 
 from __future__ import annotations
@@ -38,6 +41,25 @@ REQUESTS = [
 @pytest.fixture(scope="module")
 def one_process(tiny_llama_dir, tmp_path_factory):
     with DaemonProcess([tiny_llama_dir], tmp_path_factory.mktemp("one")) as daemon:
+        yield daemon
+
+
+@pytest.fixture(scope="module")
+def tiny_ministral3_dir(tiny_models_root):
+    """A random-weight ministral3 (4 layers, KVCache only): mlx-lm splits it by layers (pipeline) or heads."""
+    return ensure_tiny_model("ministral3", tiny_models_root)
+
+
+@pytest.fixture(scope="module")
+def ministral3_one_process(tiny_ministral3_dir, tmp_path_factory):
+    with DaemonProcess([tiny_ministral3_dir], tmp_path_factory.mktemp("m1")) as daemon:
+        yield daemon
+
+
+@pytest.fixture(scope="module")
+def ministral3_pipeline(tiny_ministral3_dir, tmp_path_factory):
+    with RankedDaemon([tiny_ministral3_dir], tmp_path_factory.mktemp("m2"), num_ranks=2,
+                      extra_args=["--parallel", "pipeline"]) as daemon:
         yield daemon
 
 
@@ -257,3 +279,49 @@ def test_smollm2_on_three_ranks_answers_as_one_process(smollm2_dir, tmp_path):
     assert "Paris" in expected["text"]
     assert got["text"] == expected["text"] and again["text"] == expected["text"]
     assert again["cache"]["hit"] == "exact"
+
+
+def test_pipeline_ranks_answer_as_one_process_and_each_holds_half_of_the_kv(ministral3_one_process, ministral3_pipeline):
+    seeded = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 11}
+    with RawConnection(ministral3_one_process.socket_path) as one, RawConnection(ministral3_pipeline.socket_path) as two:
+        for params in [*REQUESTS, seeded]:
+            expected, got = generate(one, params), generate(two, params)
+            assert got["text"] == expected["text"]
+            assert got["cache"] == {**expected["cache"], "age_s": got["cache"]["age_s"],
+                                    "saved_ms_est": got["cache"]["saved_ms_est"]}
+            again = generate(two, params)
+            assert again["text"] == got["text"] and again["cache"]["hit"] == "exact"
+        assert generate(two, REQUESTS[3])["cache"]["hit"] == "exact"
+        one_stats, two_stats = one.result("stats"), two.result("stats")
+    assert two_stats["ranks"]["parallel"] == "pipeline" and two_stats["requests"]["failed"] == 0
+    # Each rank runs 2 of the 4 layers and stores only their KV: the same entries at half the bytes.
+    one_total, two_total = one_stats["cache"]["total"], two_stats["cache"]["total"]
+    assert two_total["num_sequences"] == one_total["num_sequences"]
+    assert two_total["num_bytes"] * 2 == one_total["num_bytes"]
+
+
+def test_pipeline_ranks_serve_concurrent_sessions_as_one_process(ministral3_one_process, ministral3_pipeline):
+    system = {"role": "system", "content": "You answer questions about pipelines, briefly. " * 8}
+    sessions = [{"messages": [system, {"role": "user", "content": f"Stage number {i}?"}], "max_tokens": 20}
+                for i in range(4)]
+    with RawConnection(ministral3_one_process.socket_path) as one:
+        expected = [generate(one, params)["text"] for params in sessions]
+    conns = [RawConnection(ministral3_pipeline.socket_path) for _ in sessions]
+    try:
+        msgids = [conn.request("generate", params) for conn, params in zip(conns, sessions)]
+        answers = [conn.reply(msgid)[1] for conn, msgid in zip(conns, msgids)]
+        assert [answer[3]["text"] for answer in answers] == expected
+        stats = conns[0].result("stats")
+        assert stats["requests"]["failed"] == 0 and stats["requests"]["active"] == 0
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_a_model_without_the_parallel_mode_asked_for_is_refused_naming_what_it_has(tiny_llama_dir, tmp_path):
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "no-pipeline", num_ranks=2, extra_args=["--parallel", "pipeline"])
+    with pytest.raises(RuntimeError, match="exited"):
+        daemon.start(timeout=60)
+    assert "llama (llama) cannot run pipeline-parallel over ranks: mlx-lm's code for it offers tensor only" \
+        in daemon.stderr_text()
+    daemon.kill()

@@ -11,7 +11,8 @@ tokenizer) without any network access. We build them from scratch:
   only; "lfm2": ArraysCache conv layers + KVCache attention layers;
   "gemma3": RotatingKVCache sliding-window layers + KVCache global layers;
   "qwen3_moe": a mixture of experts, KVCache only; "mamba": pure SSM,
-  ArraysCache only),
+  ArraysCache only; "ministral3": KVCache only, and one of the models whose
+  mlx-lm code splits its layers over ranks (pipeline parallel)),
   with weights drawn under a fixed seed.
 
 The weights are random, so generated text is gibberish, but the shapes,
@@ -214,6 +215,19 @@ def model_config(kind: str, vocab_size: int, eos_id: int) -> dict:
             "rope_theta": 1000000.0,
             "tie_word_embeddings": True,
         }
+    if kind == "ministral3":
+        # Ministral 3's text model: llama-like, with mlx-lm's pipeline() (layers split over ranks) as well as
+        # shard(). 4 layers split evenly over 2 ranks; Llama 4 attention scaling as in the real config.
+        return {
+            **common,
+            "model_type": "ministral3",
+            "num_hidden_layers": 4,
+            "intermediate_size": 512,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                                "original_max_position_embeddings": MAX_POSITIONS},
+            "tie_word_embeddings": True,
+        }
     if kind == "mamba":
         # Pure SSM: every layer a Mamba block (conv + selective scan state, ArraysCache), no attention at all.
         common = {key: value for key, value in common.items() if key not in ("num_attention_heads", "num_key_value_heads")}
@@ -229,7 +243,8 @@ def model_config(kind: str, vocab_size: int, eos_id: int) -> dict:
             "time_step_rank": HIDDEN // 16,
             "tie_word_embeddings": True,
         }
-    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'llama', 'lfm2', 'gemma3', 'qwen3_moe' or 'mamba'")
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'llama', 'lfm2', 'gemma3', 'qwen3_moe', "
+                     "'ministral3' or 'mamba'")
 
 
 def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
@@ -255,6 +270,10 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     weights = dict(sorted(tree_flatten(model.parameters())))
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if hasattr(model.model, "pipeline"):
+        # mlx-lm's pipeline loading reads the index to pick each rank's weight files (utils.sharded_load).
+        _write_json(out_dir / "model.safetensors.index.json",
+                    {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}})
     _write_json(out_dir / "config.json", cfg)
 
     info = {

@@ -68,3 +68,22 @@ def test_settings_and_launcher_detection():
         DistributedSettings(backend="carrier-pigeon", rank_timeout_seconds=10)
     with pytest.raises(ValueError, match="positive"):
         DistributedSettings(backend="ring", rank_timeout_seconds=0)
+
+
+def test_pipeline_mode_needs_a_model_that_offers_it_and_layers_that_divide(tmp_path):
+    llama = write_config(tmp_path / "llama", num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                         num_hidden_layers=4)
+    with pytest.raises(NotShardable, match=r"llama \(llama\) cannot run pipeline-parallel.*offers tensor only"):
+        check_shardable(llama, 2, "pipeline")
+    ministral = write_config(tmp_path / "ministral", model_type="ministral3", num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=512, num_hidden_layers=6)
+    check_shardable(ministral, 2, "pipeline")
+    check_shardable(ministral, 3, "pipeline")
+    check_shardable(ministral, 2, "tensor")  # its mlx-lm code offers both
+    with pytest.raises(NotShardable, match="num_hidden_layers = 6 does not divide over 4 ranks.*pipeline mode: 2, 3, 6"):
+        check_shardable(ministral, 4, "pipeline")
+
+
+def test_an_unknown_parallel_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown parallel mode 'diagonal': one of tensor, pipeline"):
+        DistributedSettings(backend="ring", rank_timeout_seconds=10, parallel="diagonal")
