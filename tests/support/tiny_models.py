@@ -270,7 +270,7 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     weights = dict(sorted(tree_flatten(model.parameters())))
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    if hasattr(model.model, "pipeline"):
+    if hasattr(getattr(model, "model", None), "pipeline"):  # mamba has no .model
         # mlx-lm's pipeline loading reads the index to pick each rank's weight files (utils.sharded_load).
         _write_json(out_dir / "model.safetensors.index.json",
                     {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}})
