@@ -4,11 +4,13 @@ Order of service, every iteration:
 1. admit queued jobs (the inbox hands them out round-robin across clients)
    while fewer than ``max_active`` sequences run and their KV fits the budget;
 2. one decode step for every model's decode batch;
-3. one prefill chunk for one prefilling sequence, round-robin.
+3. one prefill chunk for one prefilling sequence, shortest first; short
+   tails (a cache hit's few new tokens) one after another before the next step.
 So a long prompt is prefilled a chunk at a time between decode steps, and a
 short request arriving meanwhile gets its first token after at most a chunk
-or two. A prompt that shares more than a chunk with one being prefilled right
-now waits for it (WAITING) and then reuses it, instead of computing it twice.
+or two. A prompt that shares a few hundred tokens or more with one being
+prefilled right now waits (WAITING) until that part is stored and then reuses
+it, instead of computing it twice.
 Engine thread only.
 """
 
@@ -39,7 +41,16 @@ from .ssm_answers import store_replayed_answer
 
 log = structlog.get_logger("prefixd.scheduler")
 
-MIN_BATCHED_TAILS = 3  # short prompt tails that arrive together and are prefilled in one batched pass
+# A prompt tail this short is prefilled ahead of the decode steps' turn (see step).
+SHORT_TAIL_TOKENS = 64
+# At most this many short tails go between two decode steps, so that a crowd of
+# new requests delays the running answers by a bounded amount.
+MAX_SHORT_TAILS_PER_STEP = 8
+# A prompt sharing at least this many not-yet-stored tokens with one being
+# prefilled waits for them to be stored (at most half a chunk: see _prefilling_leader).
+MIN_SHARED_TOKENS_TO_WAIT = 256
+# A long prompt passed over this many times in a row by short tails gets its chunk before more tails.
+MAX_SKIPS_FOR_SHORT_TAILS = 4
 SIDE_EVICTION_SHARE = 16  # a shadow run may evict stored entries for at most 1/16 of the KV budget
 
 
@@ -169,9 +180,9 @@ class Scheduler:
         start_prefill(seq, self.store, self.chunk_size)
         if seq.reused and self.shadow.distrusts(seq.loaded.name, seq.report.checkpoint):
             self._start_without_reuse(seq)
-        leader = self._prefilling_leader(seq)
+        leader, shared = self._prefilling_leader(seq)
         if leader is not None:
-            seq.phase, seq.waiting_on = Phase.WAITING, leader
+            seq.phase, seq.waiting_on, seq.waiting_for = Phase.WAITING, leader, shared
         else:
             self._prefill_turns.append(seq)
 
@@ -185,17 +196,24 @@ class Scheduler:
         seq.report.turn_off("distrusted")
         seq.report.checkpoint = kind  # the kind it would have reused
 
-    def _prefilling_leader(self, seq: SequenceState) -> SequenceState | None:
-        """Another sequence now prefilling a prefix this one shares beyond its own reuse."""
+    def _prefilling_leader(self, seq: SequenceState) -> tuple[SequenceState | None, int]:
+        """Another sequence now prefilling a prefix this one shares beyond its own reuse, and how much they share.
+
+        Waiting pays when the shared part costs more than the tail left after
+        it: a few hundred tokens, on a CPU or a GPU alike. (On a GPU the chunk
+        is 2,048 tokens; the old threshold of half a chunk let four sessions
+        on a 580-token system prompt each prefill it themselves.)
+        """
         if not seq.params.cache.use:
-            return None
+            return None, 0
+        threshold = min(MIN_SHARED_TOKENS_TO_WAIT, self.chunk_size // 2)
         for other in self.active:
             if other is seq or other.phase is not Phase.PREFILL or other.loaded is not seq.loaded:
                 continue
             shared = common_prefix_length(seq.tokens, other.tokens[: len(other.tokens) - 1])
-            if shared >= seq.reused + self.chunk_size // 2 and other.params.cache.store:
-                return other
-        return None
+            if shared >= seq.reused + threshold and shared > other.stored_upto and other.params.cache.store:
+                return other, shared
+        return None, 0
 
     # -- one iteration ------------------------------------------------------------------
 
@@ -204,7 +222,7 @@ class Scheduler:
         return bool(self.active)
 
     def step(self) -> None:
-        """One decode step for every batch, then (unless decoding is behind) one prefill pass.
+        """One decode step for every batch, short tails, then (unless decoding is behind) one prefill pass.
 
         Prefill and decode share the engine's time evenly while both have
         work: a prefill pass runs only when the time spent prefilling since
@@ -213,6 +231,8 @@ class Scheduler:
         decode step, so one step per pass made a running answer wait a whole
         pass per token; now a long prompt delays the others' answers by about
         a pass, and goes at least half speed itself. Alone, either runs flat out.
+        Short tails are outside this account (_prefill_short_tails): each costs
+        about a step and ends in a first token.
         """
         self._wake_waiters()
         decoding = any(len(decoder) for decoder in self._decoders.values())
@@ -224,19 +244,20 @@ class Scheduler:
             if len(decoder):
                 self._decode_step(decoder)
         self._decode_s += time.monotonic() - started
+        started = time.monotonic()
+        self._prefill_short_tails()
+        self._prefill_s += time.monotonic() - started
         if decoding and self.agree(self._prefill_s > self._decode_s):
             return
-        # Tails handed to the batch get their first tokens from the next
-        # decode steps: run those before another (long) chunk.
-        if not any(s.phase is Phase.DECODE and s.first_token_at is None for s in self.active):
-            started = time.monotonic()
-            if not self._hand_over_short_tails():
-                self._prefill_one()
-            self._prefill_s += time.monotonic() - started
+        started = time.monotonic()
+        self._prefill_one()
+        self._prefill_s += time.monotonic() - started
 
     def _wake_waiters(self) -> None:
         for seq in list(self.active):  # a restart may finish (and remove) a cancelled waiter
-            if seq.phase is Phase.WAITING and (seq.waiting_on.phase is not Phase.PREFILL or seq.is_cancelled):
+            leader = seq.waiting_on
+            if seq.phase is Phase.WAITING and (leader.phase is not Phase.PREFILL or seq.is_cancelled
+                                               or leader.stored_upto >= seq.waiting_for):
                 seq.waiting_on = None
                 self._guard(seq, lambda s=seq: self._restart(s))
 
@@ -266,39 +287,38 @@ class Scheduler:
         seq.num_prefill_skips = 0
         self._guard(seq, lambda: self._prefill_chunk(seq))
 
-    def _hand_over_short_tails(self) -> bool:
-        """Let the decode batch prefill several short prompt tails in one batched pass.
+    def _prefill_short_tails(self) -> int:
+        """Prefill waiting short tails one after another, ahead of the decode steps' turn; how many ran.
 
         When requests arrive together on a warm prefix (sessions sharing a
-        system prompt), each has a short tail left; one pass each would make
-        the last wait for all the others. With fewer than MIN_BATCHED_TAILS
-        one pass each is as quick (the first gets its token sooner, and the
-        batch needs two or three steps to a first token). Attention-only models only: a
-        hybrid model needs a pass to end at each checkpoint for its snapshot.
-        A tail someone waits for stays on the normal path, so that it is
-        stored at once; handed-over tails are stored with the answer.
+        system prompt, an agent's parallel calls), each has a few new tokens
+        left. Their passes cost about a decode step each, and each ends in a
+        first token, so they go first, up to MAX_SHORT_TAILS_PER_STEP between
+        two steps. One pass per tail, not one batched pass: in mlx-lm's
+        BatchGenerator seven 8-14-token tails on a 2,000-token prefix took
+        152-158 ms against 121-126 ms one by one on an H200, and the first
+        such batch 10 s against 0.7 s (the issue's follower stall); on this
+        project's CPU 3.1 s against 1.7 s (bench/batch_step_probe.py, part tails).
         """
-        by_model: dict[str, list[SequenceState]] = {}
-        awaited = {id(s.waiting_on) for s in self.active if s.phase is Phase.WAITING}
-        for seq in self._prefill_turns:
-            if (seq.phase is Phase.PREFILL and not seq.job.warm_only and not seq.loaded.layout.is_hybrid
-                    and len(seq.tokens) - seq.position <= self.chunk_size and id(seq) not in awaited):
-                by_model.setdefault(seq.loaded.name, []).append(seq)
-        groups = [group for group in by_model.values() if len(group) >= MIN_BATCHED_TAILS]
-        for group in groups:
-            for seq in group:
-                self._prefill_turns.remove(seq)
-                self._guard(seq, lambda s=seq: self._hand_tail_to_batch(s))
-        return bool(groups)
+        def is_short(seq: SequenceState) -> bool:
+            return len(seq.tokens) - seq.position <= SHORT_TAIL_TOKENS
 
-    def _hand_tail_to_batch(self, seq: SequenceState) -> None:
-        seq.plan.clear()
-        if len(seq.tokens) > 1:  # a 1-token prompt has no prompt-end depth to store
-            seq.checkpoints[len(seq.tokens) - 1] = ("prompt-end", None)  # stored with the answer
-        seq.phase = Phase.DECODE
-        if seq.grammar is None:  # an unconstrained re-run of a constrained answer may differ: never checked
-            self.shadow.keep(seq, None)  # its first token comes from the batch: no prompt logits to keep
-        self._decoder_for(seq).add(seq, seq.tokens[seq.position :], seq.params.max_tokens)
+        passed_over = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and not is_short(s)]
+        if any(s.num_prefill_skips >= MAX_SKIPS_FOR_SHORT_TAILS for s in passed_over):
+            return 0  # a long prompt waited long enough: its chunk comes first (_prefill_one)
+        ran = 0
+        while ran < MAX_SHORT_TAILS_PER_STEP:
+            tails = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and is_short(s)]
+            if not tails:
+                break
+            seq = min(tails, key=lambda s: len(s.tokens) - s.position)
+            self._prefill_turns.remove(seq)
+            self._guard(seq, lambda s=seq: self._prefill_chunk(s))
+            ran += 1
+        if ran:
+            for seq in passed_over:
+                seq.num_prefill_skips += 1
+        return ran
 
     def _prefill_chunk(self, seq: SequenceState) -> None:
         if seq.is_cancelled:

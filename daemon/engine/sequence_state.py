@@ -44,6 +44,7 @@ class SequenceState:
     plan: list[tuple[int, str]] = field(default_factory=list)  # remaining (depth, kind) prefill stops
     checkpoints: dict[int, tuple[str, Any]] = field(default_factory=dict)  # not yet handed to the store
     waiting_on: "SequenceState | None" = None
+    waiting_for: int = 0  # the depth of waiting_on's prompt that must be stored before this one resumes
     uid: int | None = None  # row id in the decode batch
     sampler: Any = None  # made once per sequence (batch_decoder.sampler_for)
     generated: list[int] = field(default_factory=list)  # sampled tokens, eos included

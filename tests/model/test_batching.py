@@ -71,6 +71,27 @@ def test_a_request_sharing_an_inflight_prefix_waits_and_reuses_it(loaded):
     assert first["cache"]["reused_tokens"] + second["cache"]["reused_tokens"] > 0
 
 
+def test_a_waiting_request_resumes_once_the_shared_part_is_stored_not_when_the_leader_ends(loaded):
+    """The follower waits for the shared system prompt only, not for the leader's long document after it."""
+    first_token_order: list[str] = []
+
+    def job(name: str, text: str) -> GenerateJob:
+        def emit(kind, payload):
+            if kind == CHUNK and name not in first_token_order:
+                first_token_order.append(name)
+
+        params = GenerateParams(prompt=PromptInput(text=text), max_tokens=3, stream=True)
+        return GenerateJob(name, 1, params, emit)
+
+    shared = SOURCE_TEXT[:1200]
+    leader, follower = run_inline(
+        [job("leader", shared + SOURCE_TEXT[4000:9000]), job("follower", shared + "\n# and this?")],
+        loaded, make_store(), chunk_size=64)
+    num_shared = follower["usage"]["prompt_tokens"] - 8
+    assert follower["cache"]["reused_tokens"] >= num_shared - 64, follower["cache"]
+    assert first_token_order[0] == "follower", first_token_order
+
+
 def test_streamed_chunks_of_a_batched_request_add_up_to_its_text(loaded):
     events: list = []
     jobs = [make_job(loaded, SOURCE_TEXT[:400], 12, events=events), make_job(loaded, SOURCE_TEXT[400:800], 12)]
@@ -99,7 +120,7 @@ def test_a_short_request_is_not_stalled_behind_a_long_prefill(loaded):
 
 
 def test_sessions_arriving_together_on_a_warm_prefix_match_solo_runs_and_store_their_prompts(loaded):
-    """Short tails on a stored prefix (attention models: prefilled in one batched pass) stay exact."""
+    """Short tails on a stored prefix (one pass each, ahead of the decode steps) stay exact."""
     shared = SOURCE_TEXT[:1500]
     questions = ["\n# what is this?", "\n# who wrote the scanner, and why is it so long?", "\n# ok", "\n# tests?"]
     store = make_store()
