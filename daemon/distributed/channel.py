@@ -10,9 +10,25 @@ returns (a rank that stopped answering) is the watchdog's (watchdog.py).
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 
 INLINE_BYTES = 2048  # an iteration's inputs up to this size travel with the header: one collective
+# How MLX's distributed backends begin their errors ("[ring] connection to a peer was lost").
+BACKEND_ERROR = re.compile(r"\[(ring|nccl|jaccl|mpi)\]")
+
+
+def is_collective_failure(error: BaseException | str) -> bool:
+    """Did this error come out of one of MLX's collectives (a lost rank), rather than the request itself?
+
+    A model pass holds collectives too (tensor parallel: an all_sum per layer;
+    pipeline: send/recv and an all_gather), and when a peer is gone MLX raises a
+    RuntimeError with its backend's tag from whatever evaluates the pass. The
+    engine would answer that as its own INTERNAL failure; the lock-step engine
+    asks this instead and ends (ENGINE_DEAD), as for a failed exchange.
+    """
+    return isinstance(error, RankLost) or bool(BACKEND_ERROR.search(str(error)))
 
 
 class RankLost(BaseException):

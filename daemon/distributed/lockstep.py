@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
 import time
 from collections import deque
 from typing import Any, Callable
@@ -36,7 +35,7 @@ from ..engine.engine import ControlCall, Engine
 from ..engine.jobs import DONE, FAILED, GenerateJob
 from ..engine.settings import EngineSettings
 from ..models.loaded_model import LoadedModel, load_model
-from .channel import Channel, RankLost, RanksDiverged
+from .channel import Channel, RankLost, RanksDiverged, is_collective_failure
 from .handshake import check_peers, code_version, config_digest
 from .messages import IterationInputs, JobSpec, StoreOp
 from .settings import DistributedSettings
@@ -46,10 +45,6 @@ from .watchdog import IterationWatchdog
 log = structlog.get_logger("prefixd.distributed")
 
 IDLE_WAIT_SECONDS = 0.25  # rank 0 with nothing to do still sends an (empty) iteration this often: a heartbeat
-# How MLX's distributed backends begin their errors. A model pass that meets a lost peer fails its
-# request like any error would; after one, the ring backend's next collective was seen to hang
-# rather than raise, so such a failure ends the engine at once instead of waiting for the watchdog.
-COLLECTIVE_ERROR = re.compile(r"\[(ring|nccl|jaccl|mpi)\]")
 
 
 class LockstepEngine(Engine):
@@ -68,7 +63,12 @@ class LockstepEngine(Engine):
         self._number = 0
         self._clock = time.monotonic()
         self._agreed_prefill_rate = 0.0
-        self._collective_error: str | None = None  # a request failed inside a collective this iteration
+        # A model pass met a lost rank this iteration (is_collective_failure). The engine ends at the
+        # iteration's end rather than at the next exchange: after such a failure the ring backend's next
+        # collective was seen to hang rather than raise (the watchdog would end it, but only after
+        # --rank-timeout). The requests it failed are not answered with the engine's INTERNAL error:
+        # their front jobs stay in _front_jobs, which the engine's death answers with ENGINE_DEAD.
+        self._collective_error: str | None = None
 
     # -- start: the group, the handshake, each rank's shard --------------------------------
 
@@ -142,7 +142,13 @@ class LockstepEngine(Engine):
             self._apply(inputs)
             self._admit_pending()
             if self.scheduler.has_work:
-                self.scheduler.step()
+                try:
+                    self.scheduler.step()
+                except Exception as exc:  # escaped the scheduler's own handlers: the engine's loop would go on
+                    if is_collective_failure(exc):
+                        self._collective_error = self._collective_error or f"{type(exc).__name__}: {exc}"
+                    else:
+                        raise
             if self._collective_error is not None:
                 raise RankLost(f"rank {self.channel.rank} of {self.channel.size}: a collective failed during a "
                                f"model pass ({self._collective_error}); another rank exited or lost its connection")
@@ -231,8 +237,13 @@ class LockstepEngine(Engine):
         front = self._front_jobs.get(job_id)
 
         def emit(kind: str, payload: Any) -> None:
-            if kind == FAILED and COLLECTIVE_ERROR.search(str(getattr(payload, "message", ""))):
-                self._collective_error = payload.message
+            if (kind == FAILED and getattr(payload, "code", None) == ErrorCode.INTERNAL
+                    and is_collective_failure(payload.message)):
+                # A lost rank, not this request's fault: the front's job waits for the engine's death
+                # (ENGINE_DEAD, at the end of this iteration), like every other running request.
+                self._collective_error = self._collective_error or payload.message
+                self._jobs.pop(job_id, None)
+                return
             if kind in (DONE, FAILED):
                 copy = self._jobs.pop(job_id, None)
                 self._front_jobs.pop(job_id, None)

@@ -87,3 +87,13 @@ def test_pipeline_mode_needs_a_model_that_offers_it_and_layers_that_divide(tmp_p
 def test_an_unknown_parallel_mode_is_refused():
     with pytest.raises(ValueError, match="unknown parallel mode 'diagonal': one of tensor, pipeline"):
         DistributedSettings(backend="ring", rank_timeout_seconds=10, parallel="diagonal")
+
+
+def test_a_backends_error_is_told_apart_from_a_requests_own():
+    from prefixd.daemon.distributed.channel import RankLost, is_collective_failure
+
+    assert is_collective_failure(RuntimeError("[ring] connection to a peer was lost"))
+    assert is_collective_failure("internal error: RuntimeError: [nccl] unhandled system error")
+    assert is_collective_failure(RankLost("rank 1 of 2: a collective failed"))
+    assert not is_collective_failure(RuntimeError("[matmul] Last dimension of first input with shape (1,3)"))
+    assert not is_collective_failure(ValueError("the prompt is longer than the context"))
