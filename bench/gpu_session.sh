@@ -5,7 +5,8 @@
 # quick-fused, full-fused, lfm2-quick-fused: the same with --attention fused (MLX's own attention for
 # tails, to compare with the default matmul form on CUDA: models/tail_attention.py); probe-tails
 # (shape_probe parts 6-7), probe-tails-nographs (part 7 with MLX_USE_CUDA_GRAPHS=0), fuse
-# (bench/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting).
+# (bench/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting); quick-nographs,
+# full-nographs: every system with MLX_USE_CUDA_GRAPHS=0.
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -42,6 +43,8 @@ for s in "$@"; do
     concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick ;;
     lfm2-quick) step lfm2-quick python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick" ;;
     quick-fused) PREFIXD_ATTENTION=fused step quick-fused python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-fused" ;;
+    quick-nographs) MLX_USE_CUDA_GRAPHS=0 step quick-nographs python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-nographs" ;;
+    full-nographs) MLX_USE_CUDA_GRAPHS=0 step full-nographs python3 bench/compare.py --model /tmp/q06 --out "$out/full-nographs" ;;
     full-fused) PREFIXD_ATTENTION=fused step full-fused python3 bench/compare.py --model /tmp/q06 --out "$out/full-fused" ;;
     lfm2-quick-fused) PREFIXD_ATTENTION=fused step lfm2-quick-fused python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick-fused" ;;
     lfm2-full) step lfm2-full python3 bench/compare.py --model /tmp/lfm2 --out "$out/lfm2-full" ;;
