@@ -102,7 +102,8 @@ class LockstepEngine(Engine):
         # One stream for prefill, decode and the exchanges: each rank's collectives in program order.
         self.scheduler.decode_stream = mx.default_stream(mx.default_device())
         log.info("rank_ready", rank=self.channel.rank, ranks=self.channel.size, pid=os.getpid(),
-                 backend=self.distributed.backend)
+                 backend=self.distributed.backend, parallel=self.distributed.parallel,
+                 blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))
 
     def load_one_model(self, spec: str) -> LoadedModel:
         return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention,

@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from .ranks import launch_ranks
 
         launch_ranks(args.ranks, args.distributed_backend, argv)
+    if started_by_launcher():  # ranks sharing a host share its cores: before the BLAS starts its threads
+        from ..distributed.cpu_threads import share_cpu_threads
+
+        share_cpu_threads()
     blas = preload_blas()  # before anything imports mlx
     mlx_defaults = apply_daemon_defaults()  # before MLX builds its CUDA caches (models/mlx_runtime_env.py)
     from ..engine.settings import EngineSettings

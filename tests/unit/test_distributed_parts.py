@@ -97,3 +97,22 @@ def test_a_backends_error_is_told_apart_from_a_requests_own():
     assert is_collective_failure(RankLost("rank 1 of 2: a collective failed"))
     assert not is_collective_failure(RuntimeError("[matmul] Last dimension of first input with shape (1,3)"))
     assert not is_collective_failure(ValueError("the prompt is longer than the context"))
+
+
+def test_ranks_sharing_a_host_share_its_cores_and_a_users_setting_is_kept(tmp_path):
+    from prefixd.daemon.distributed.cpu_threads import ranks_on_this_host, share_cpu_threads
+
+    local = tmp_path / "local.json"
+    local.write_text(json.dumps([["127.0.0.1:32323"], ["127.0.0.1:32324"]]))
+    two_hosts = tmp_path / "two-hosts.json"
+    two_hosts.write_text(json.dumps([["10.0.0.1:32323"], ["10.0.0.2:32323"]]))
+    assert ranks_on_this_host({"MLX_RANK": "1", "MLX_HOSTFILE": str(local)}) == 2
+    assert ranks_on_this_host({"MLX_RANK": "0", "MLX_HOSTFILE": str(two_hosts)}) == 1
+    assert ranks_on_this_host({"MLX_RANK": "0"}) is None  # not ring: unknown
+    environ = {"MLX_RANK": "0", "MLX_HOSTFILE": str(local)}
+    assert share_cpu_threads(environ, num_cores=2) == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    assert environ["OPENBLAS_NUM_THREADS"] == "1"
+    assert share_cpu_threads({"MLX_RANK": "0", "MLX_HOSTFILE": str(local)}, num_cores=16)["OMP_NUM_THREADS"] == "8"
+    mine = {"MLX_RANK": "0", "MLX_HOSTFILE": str(local), "OPENBLAS_NUM_THREADS": "4"}
+    assert share_cpu_threads(mine, num_cores=2) == {} and mine["OPENBLAS_NUM_THREADS"] == "4"
+    assert share_cpu_threads({"MLX_RANK": "0", "MLX_HOSTFILE": str(two_hosts)}, num_cores=2) == {}
