@@ -28,6 +28,9 @@ from .jobs import GenerateJob
 from .sequence_state import Phase, SequenceState
 
 CHECKPOINT_PRIORITY = {"prompt-end": 3, "message": 2, "chunk": 1}
+# A hybrid model's pass ends at a stop only when it spans at least this many tokens
+# and the next stop is at least this far on (see next_stops).
+HYBRID_MIN_PASS_TOKENS = 16
 
 
 def plan_prefill(start: int, end: int, chunk_size: int, prompt: EncodedPrompt) -> list[tuple[int, str]]:
@@ -105,17 +108,30 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
 def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool) -> list[tuple[int, str]]:
     """Take the stops the next forward pass covers off the front of ``plan``.
 
-    A hybrid model must end a pass at every stop: its conv/SSM state can only be
-    snapshotted where a pass ends. Attention KV can be cut at any depth, so for
-    other models one pass runs through every stop within a chunk of
-    ``position`` (message and chunk boundaries become labels only): on a CPU
-    where each pass at a long context costs a fixed 0.1 s or more, a chat turn's
-    tail then costs one pass instead of one per message.
+    A hybrid model's conv/SSM state can only be snapshotted where a pass ends,
+    so its passes end at the stops; but not at stops a few tokens apart: a
+    chat turn's tail (the previous answer's closing tokens, the new message,
+    the assistant header) would cost three short passes, each at a length the
+    device has not run before (on a GPU a first pass at a new length costs
+    20-45 ms; lfm2's chat was 1.3x mlx-lm server's warm TTFT, issue 13). A
+    stop closer than HYBRID_MIN_PASS_TOKENS to the pass's start or to the next
+    stop becomes a label without a snapshot: resuming there later recomputes
+    those few tokens from the previous snapshot. The prompt's end always ends
+    a pass (the exact-hit checkpoint).
+    Attention KV can be cut at any depth, so for other models one pass runs
+    through every stop within a chunk of ``position`` (message and chunk
+    boundaries become labels only): on a CPU where each pass at a long context
+    costs a fixed 0.1 s or more, a chat turn's tail then costs one pass
+    instead of one per message.
     """
     taken = [plan.pop(0)]
     if not is_hybrid:
         while plan and plan[0][0] <= position + chunk_size:
             taken.append(plan.pop(0))
+        return taken
+    while plan and plan[0][0] <= position + chunk_size and (
+            taken[-1][0] - position < HYBRID_MIN_PASS_TOKENS or plan[0][0] - taken[-1][0] < HYBRID_MIN_PASS_TOKENS):
+        taken.append(plan.pop(0))
     return taken
 
 

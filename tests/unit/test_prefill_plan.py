@@ -42,6 +42,20 @@ def test_a_hybrid_model_ends_a_pass_at_every_stop_for_its_snapshots():
     assert [p[-1][0] for p in passes(plan_prefill(1050, 1299, 512, prompt), 1050, 512, hybrid=True)] == [1100, 1200, 1299]
 
 
+def test_a_hybrid_chat_tail_of_stops_a_few_tokens_apart_is_one_pass_ending_at_the_prompt_end():
+    # From the previous answer's end (1050): its closing tokens end at 1052, the new message at 1090,
+    # the assistant header at 1093 (prompt-end): one pass, the snapshot where it ends.
+    prompt = chat_prompt(1094, [600, 1052, 1090])
+    (only,) = passes(plan_prefill(1050, 1093, 512, prompt), 1050, 512, hybrid=True)
+    assert only == [(1052, "message"), (1090, "message"), (1093, "prompt-end")]
+
+
+def test_a_hybrid_pass_still_ends_at_stops_far_enough_apart():
+    prompt = chat_prompt(1300, [600, 1052, 1100, 1200])
+    ends = [p[-1][0] for p in passes(plan_prefill(1050, 1299, 512, prompt), 1050, 512, hybrid=True)]
+    assert ends == [1100, 1200, 1299]  # 1052 is 2 tokens into the pass: a label only
+
+
 def test_no_pass_is_longer_than_a_chunk():
     prompt = chat_prompt(3000, [100, 700, 2500])
     for hybrid in (False, True):
