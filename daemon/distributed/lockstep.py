@@ -33,6 +33,7 @@ from ...protocol.errors import ErrorCode, RpcError
 from ..engine.control_calls import ControlCalls
 from ..engine.engine import ControlCall, Engine
 from ..engine.jobs import DONE, FAILED, GenerateJob
+from ..engine.sequence_state import Phase
 from ..engine.settings import EngineSettings
 from ..models.loaded_model import LoadedModel, load_model
 from .channel import Channel, RankLost, RanksDiverged, is_collective_failure
@@ -98,12 +99,24 @@ class LockstepEngine(Engine):
             self.watchdog.disarm()
         # Unseeded sampling draws from MLX's global generator: the same seed everywhere, the same tokens.
         mx.random.seed(self.channel.agree(int.from_bytes(os.urandom(4), "little")))
-        self.scheduler.agree = lambda decision: bool(self.channel.agree(int(decision)))
+        self.scheduler.agree = self._agree
         # One stream for prefill, decode and the exchanges: each rank's collectives in program order.
         self.scheduler.decode_stream = mx.default_stream(mx.default_device())
         log.info("rank_ready", rank=self.channel.rank, ranks=self.channel.size, pid=os.getpid(),
                  backend=self.distributed.backend, parallel=self.distributed.parallel,
                  blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))
+
+    def _agree(self, decision: bool) -> bool:
+        """The scheduler's clock-based choice (may a prefill pass run beside decoding?), rank 0's for all.
+
+        Asked on every decode step, but it only matters while a sequence is prefilling; otherwise
+        every rank answers False (the prefill turn then finds nothing, the same on every rank: the
+        phases are part of the state every rank agrees on) without a collective, which would cost
+        a synchronous all_sum and a wait for the step computed ahead on every decoded token.
+        """
+        if not any(seq.phase is Phase.PREFILL for seq in self.scheduler.active):
+            return False
+        return bool(self.channel.agree(int(decision)))
 
     def load_one_model(self, spec: str) -> LoadedModel:
         return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention,
