@@ -120,10 +120,11 @@ class BatchDecoder:
     def add(self, seq: SequenceState, inputs: list[int], max_tokens: int) -> None:
         """Join the batch: ``inputs`` are the tokens the cache does not hold yet.
 
-        Usually the first answer token, sampled by the scheduler from the
-        prompt's last logits; or the rest of a short prompt, when several
-        sequences join before one step and the generator prefills their
-        tails together in one batched pass.
+        The scheduler passes the first answer token, sampled from the
+        prompt's last logits. More tokens (the rest of a prompt) would be
+        prefilled by mlx-lm's generator in its batched prompt path, which the
+        scheduler no longer uses: on a GPU its first pass in a process cost
+        seconds (scheduler._prefill_short_tails).
         """
         if self._solo is None and not self._by_uid and not self._carried and len(inputs) == 1:
             self._solo = SoloDecoder(self._model, seq, inputs[0], max_tokens, sampler_for(seq),
