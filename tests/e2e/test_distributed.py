@@ -170,8 +170,13 @@ def test_every_model_is_loaded_on_every_rank_at_start(tiny_llama_dir, tiny_tools
             assert second["cache"]["reused_tokens"] >= first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
 
 
-def test_eviction_under_a_small_budget_keeps_the_ranks_together(tiny_llama_dir, tmp_path):
-    with RankedDaemon([tiny_llama_dir], tmp_path / "small", num_ranks=2, extra_args=["--cache-bytes", "3M"]) as daemon:
+@pytest.mark.parametrize("model_fixture, parallel", [("tiny_llama_dir", "tensor"), ("tiny_ministral3_dir", "pipeline")])
+def test_eviction_under_a_small_budget_keeps_the_ranks_together(model_fixture, parallel, request, tmp_path):
+    model = request.getfixturevalue(model_fixture)
+    # Either way a rank holds half of each entry's KV (half the KV heads of every layer, or every head of
+    # half the layers), so the same budget evicts.
+    with RankedDaemon([model], tmp_path / "small", num_ranks=2,
+                      extra_args=["--cache-bytes", "3M", "--parallel", parallel]) as daemon:
         with RawConnection(daemon.socket_path) as conn:
             prompts = [f"Document {i}: " + "the cache evicts what it cannot keep. " * 12 for i in range(8)]
             answers = [generate(conn, {"prompt": prompt, "max_tokens": 8})["text"] for prompt in prompts]
@@ -298,7 +303,10 @@ def test_pipeline_ranks_answer_as_one_process_and_each_holds_half_of_the_kv(mini
         assert generate(two, REQUESTS[3])["cache"]["hit"] == "exact"
         one_stats, two_stats = one.result("stats"), two.result("stats")
     assert two_stats["ranks"]["parallel"] == "pipeline" and two_stats["requests"]["failed"] == 0
-    # Each rank runs 2 of the 4 layers and stores only their KV: the same entries at half the bytes.
+    # Each rank runs 2 of the 4 layers, makes caches for those alone, and stores only their KV: the same
+    # entries at half the bytes.
+    loaded = ministral3_pipeline.events("model_loaded")
+    assert sorted((line["rank"], line["cache_layers"]["kvcache"]) for line in loaded) == [(0, 2), (1, 2)]
     one_total, two_total = one_stats["cache"]["total"], two_stats["cache"]["total"]
     assert two_total["num_sequences"] == one_total["num_sequences"]
     assert two_total["num_bytes"] * 2 == one_total["num_bytes"]
