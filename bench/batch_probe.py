@@ -16,7 +16,6 @@ rather than a first-step spike.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,7 @@ from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-
-def summary(name: str, step_ms: list[float], rows: int) -> None:
-    ordered = sorted(step_ms)
-    median = statistics.median(step_ms)
-    p90 = ordered[int(0.9 * (len(ordered) - 1))]
-    first = " ".join(f"{x:.1f}" for x in step_ms[:4])
-    print(f"  {name:<22} rows {rows}: step median {median:6.2f} ms  p90 {p90:6.2f}  first {first}"
-          f"  -> {rows * 1000 / median:7.1f} tok/s aggregate")
+from batch_step_probe import summary  # noqa: E402  (this script's folder is first on sys.path)
 
 
 def main() -> int:
