@@ -190,7 +190,11 @@ def test_eviction_under_a_small_budget_keeps_the_ranks_together(model_fixture, p
 @pytest.mark.parametrize("model_fixture, parallel", [("tiny_llama_dir", "tensor"), ("tiny_ministral3_dir", "pipeline")])
 def test_killing_a_rank_ends_the_daemon_with_a_clear_error(model_fixture, parallel, request, tmp_path):
     model = request.getfixturevalue(model_fixture)
-    daemon = RankedDaemon([model], tmp_path / "killed", num_ranks=2, extra_args=["--parallel", parallel])
+    # A short --rank-timeout: MLX's ring backend, on losing a peer, fails its pending tasks, but now and
+    # then the engine thread stays blocked inside mx.async_eval behind the dead collective (seen with
+    # py-spy, about 1 kill in 10 on a loaded machine); then the watchdog is what ends the daemon.
+    daemon = RankedDaemon([model], tmp_path / "killed", num_ranks=2,
+                          extra_args=["--parallel", parallel, "--rank-timeout", "5"])
     daemon.start()
     try:
         with RawConnection(daemon.socket_path, timeout=20) as conn:
@@ -203,7 +207,8 @@ def test_killing_a_rank_ends_the_daemon_with_a_clear_error(model_fixture, parall
         # Whichever collective meets the lost peer first (the iteration's exchange, or one inside the model
         # pass, which MLX fails with "[ring] connection to a peer was lost"), the answer is the same.
         assert response[2]["code"] == ENGINE_DEAD, response[2]
-        assert "another rank exited or lost its connection" in response[2]["message"]
+        message = response[2]["message"]
+        assert "another rank exited or lost its connection" in message or "stopped answering" in message, message
         assert time.monotonic() - killed_at < 15
         daemon.wait(timeout=30)  # rank 0 exits (mlx.launch stops the other ranks when one fails), then the launcher
         assert not daemon.answers_ping()
