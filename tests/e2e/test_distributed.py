@@ -111,12 +111,21 @@ def test_sampling_is_the_same_on_every_rank(one_process, two_ranks):
         assert two.result("stats")["requests"]["failed"] == 0
 
 
+def sessions_on_one_system_prompt(subject: str, noun: str) -> list[dict]:
+    """Four chat requests sharing a system prompt about ``subject``, each with its own question."""
+    system = {"role": "system", "content": f"You answer questions about {subject}, briefly. " * 8}
+    return [{"messages": [system, {"role": "user", "content": f"{noun} number {i}?"}], "max_tokens": 20}
+            for i in range(4)]
+
+
+def answers_one_at_a_time(daemon, sessions: list[dict]) -> list[str]:
+    with RawConnection(daemon.socket_path) as conn:
+        return [generate(conn, params)["text"] for params in sessions]
+
+
 def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
-    system = {"role": "system", "content": "You answer questions about caches, briefly. " * 8}
-    sessions = [{"messages": [system, {"role": "user", "content": f"Question number {i}?"}], "max_tokens": 20}
-                for i in range(4)]
-    with RawConnection(one_process.socket_path) as one:
-        expected = [generate(one, params)["text"] for params in sessions]
+    sessions = sessions_on_one_system_prompt("caches", "Question")
+    expected = answers_one_at_a_time(one_process, sessions)
     conns = [RawConnection(two_ranks.socket_path) for _ in sessions]
     try:
         victim_conn = RawConnection(two_ranks.socket_path)
@@ -130,6 +139,7 @@ def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
         assert cancelled[3]["usage"]["completion_tokens"] < 4000
         answers = [conn.reply(msgid)[1] for conn, msgid in zip(conns, msgids)]
         assert [answer[3]["text"] for answer in answers] == expected
+        system = sessions[0]["messages"][0]
         pinned = victim_conn.result("cache.pin", {"messages": [system], "add_generation_prompt": False})
         assert pinned["pinned_tokens"] > 0  # a store change made on every rank
         victim_conn.result("cache.warm", {"prompt": "a warmed prompt " * 20})
@@ -318,11 +328,8 @@ def test_pipeline_ranks_answer_as_one_process_and_each_holds_half_of_the_kv(mini
 
 
 def test_pipeline_ranks_serve_concurrent_sessions_as_one_process(ministral3_one_process, ministral3_pipeline):
-    system = {"role": "system", "content": "You answer questions about pipelines, briefly. " * 8}
-    sessions = [{"messages": [system, {"role": "user", "content": f"Stage number {i}?"}], "max_tokens": 20}
-                for i in range(4)]
-    with RawConnection(ministral3_one_process.socket_path) as one:
-        expected = [generate(one, params)["text"] for params in sessions]
+    sessions = sessions_on_one_system_prompt("pipelines", "Stage")
+    expected = answers_one_at_a_time(ministral3_one_process, sessions)
     conns = [RawConnection(ministral3_pipeline.socket_path) for _ in sessions]
     try:
         msgids = [conn.request("generate", params) for conn, params in zip(conns, sessions)]

@@ -31,6 +31,16 @@ def make_job(loaded, text: str, max_tokens: int, use_cache: bool = True, events=
     return GenerateJob("test", 1, params, emit)
 
 
+def streamed_job(name: str, text: str, first_token_order: list[str], cache: CacheOptions | None = None) -> GenerateJob:
+    """A streamed 3-token request that appends ``name`` to ``first_token_order`` at its first chunk."""
+    def emit(kind, payload):
+        if kind == CHUNK and name not in first_token_order:
+            first_token_order.append(name)
+
+    params = GenerateParams(prompt=PromptInput(text=text), max_tokens=3, stream=True, cache=cache or CacheOptions())
+    return GenerateJob(name, 1, params, emit)
+
+
 def make_store() -> PrefixStore:
     return PrefixStore(max_bytes=2 << 30, max_nodes=100_000, max_pinned_bytes=1 << 28)
 
@@ -74,18 +84,10 @@ def test_a_request_sharing_an_inflight_prefix_waits_and_reuses_it(loaded):
 def test_a_waiting_request_resumes_once_the_shared_part_is_stored_not_when_the_leader_ends(loaded):
     """The follower waits for the shared system prompt only, not for the leader's long document after it."""
     first_token_order: list[str] = []
-
-    def job(name: str, text: str) -> GenerateJob:
-        def emit(kind, payload):
-            if kind == CHUNK and name not in first_token_order:
-                first_token_order.append(name)
-
-        params = GenerateParams(prompt=PromptInput(text=text), max_tokens=3, stream=True)
-        return GenerateJob(name, 1, params, emit)
-
     shared = SOURCE_TEXT[:1200]
     leader, follower = run_inline(
-        [job("leader", shared + SOURCE_TEXT[4000:9000]), job("follower", shared + "\n# and this?")],
+        [streamed_job("leader", shared + SOURCE_TEXT[4000:9000], first_token_order),
+         streamed_job("follower", shared + "\n# and this?", first_token_order)],
         loaded, make_store(), chunk_size=64)
     num_shared = follower["usage"]["prompt_tokens"] - 8
     assert follower["cache"]["reused_tokens"] >= num_shared - 64, follower["cache"]
@@ -103,17 +105,9 @@ def test_streamed_chunks_of_a_batched_request_add_up_to_its_text(loaded):
 def test_a_short_request_is_not_stalled_behind_a_long_prefill(loaded):
     """Chunked prefill: the short prompt's first token comes before the long prompt's."""
     first_token_order: list[str] = []
-
-    def job(name: str, text: str) -> GenerateJob:
-        def emit(kind, payload):
-            if kind == CHUNK and name not in first_token_order:
-                first_token_order.append(name)
-
-        params = GenerateParams(prompt=PromptInput(text=text), max_tokens=3, stream=True, cache=CacheOptions(False, False))
-        return GenerateJob(name, 1, params, emit)
-
-    long_job = job("long", SOURCE_TEXT[:6000])
-    short_job = job("short", "Hello there.")
+    uncached = CacheOptions(False, False)
+    long_job = streamed_job("long", SOURCE_TEXT[:6000], first_token_order, uncached)
+    short_job = streamed_job("short", "Hello there.", first_token_order, uncached)
     results = run_inline([long_job, short_job], loaded, None, chunk_size=64)
     assert results[0]["usage"]["prompt_tokens"] > 5 * 64  # many chunks
     assert first_token_order[0] == "short", first_token_order
