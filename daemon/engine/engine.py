@@ -31,6 +31,8 @@ from .jobs import FAILED, GenerateJob
 from .model_residency import ModelResidency
 from .scheduler import Scheduler, internal_error
 from .settings import EngineSettings, default_prefill_chunk
+from .warm_up import resolve_mode as warm_up_wanted
+from .warm_up import run_all, warm_up_steps
 
 T = TypeVar("T")
 log = structlog.get_logger("prefixd.engine")
@@ -314,7 +316,10 @@ class Engine:
     def _load_all(self) -> None:
         import mlx.core as mx  # the engine thread is the one MLX thread
 
-        self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(mx.default_device().type == mx.gpu)
+        on_gpu = mx.default_device().type == mx.gpu
+        self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(on_gpu)
+        # Ranks in lock-step load their own way and would each have to run the same passes: no warm-up there.
+        self._warms_up = warm_up_wanted(self.settings.warm_up, on_gpu) and type(self).load_one_model is Engine.load_one_model
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         # Every model is described (tokenizer, layout, size: no weights read); only the default one loads now.
         self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs)
@@ -348,17 +353,20 @@ class Engine:
 
     def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
         """Load a configured model's weights whole (at start, or when asked to). Engine thread."""
-        return self._adopt(self.load_one_model(entry.spec), entry)
+        loaded = self.load_one_model(entry.spec)
+        warm_up_seconds = run_all(warm_up_steps(loaded)) if self._warms_up else None
+        return self._adopt(loaded, entry, warm_up_seconds)
 
     def _load_entry_in_steps(self, entry: CatalogEntry) -> Generator[None, None, LoadedModel]:
         """Load a request's model a step per engine iteration (models/staged_load.py). Engine thread."""
         started = time.perf_counter()
         loaded = yield from load_in_steps(entry.spec, entry.path, self.settings.dtype, self.settings.attention,
                                           self._tokenizer_pool)
+        warm_up_seconds = (yield from warm_up_steps(loaded)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
-        return self._adopt(loaded, entry)
+        return self._adopt(loaded, entry, warm_up_seconds)
 
-    def _adopt(self, loaded: LoadedModel, entry: CatalogEntry) -> LoadedModel:
+    def _adopt(self, loaded: LoadedModel, entry: CatalogEntry, warm_up_seconds: float | None = None) -> LoadedModel:
         loaded.name = loaded.encoder.model_name = entry.name
         self.models[loaded.name] = loaded
         log.info(
@@ -371,6 +379,7 @@ class Engine:
             hybrid=loaded.layout.is_hybrid,
             cache_layers=loaded.layout.describe(),
             attention=loaded.attention,
+            warm_up_s=None if warm_up_seconds is None else round(warm_up_seconds, 3),
             fingerprint=loaded.fingerprint,
             process_peak_rss_bytes=peak_rss_bytes(),
         )

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache import CacheReport, PrefixStore
-from ..kv.fork import can_capture, capture_segment, capture_snapshot, fork_cache
+from ..kv.fork import can_capture, capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..kv.segments import segments_source
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
@@ -100,8 +100,9 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.phase = Phase.PREFILL
     seq.prefill_started_at = started
-    # Building the fork is lazy: its one copy of the reused KV runs with the first forward pass.
     seq.lookup_seconds = time.monotonic() - started
+    if seq.reused:
+        evaluate_fork(seq.cache)  # the copy counts as prefill time, as it did when it ran with the first pass
     fault_point("start_prefill")
 
 

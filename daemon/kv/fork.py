@@ -106,6 +106,24 @@ def fork_cache(
     return cache
 
 
+def evaluate_fork(cache: list[Any]) -> None:
+    """Run a fork's copy now, on its own, rather than lazily with the first forward pass.
+
+    Why: on CUDA, MLX replays the kernels of one evaluation as CUDA graphs,
+    cut into windows of a fixed number of nodes and cached by each window's
+    topology (mlx/backend/cuda/device.cpp: ``graph_key_``). A lazy fork puts
+    its concatenations (one per stored segment and layer) in front of the
+    forward pass, so every new segment count shifts the windows of the whole
+    forward, and each shifted window is a graph built anew: on an H200 the
+    first exact hit at each new segment count cost 14-19 ms more than its
+    repeats (bench/first_hit_probe.py, 2026-12-04). Evaluated alone, the
+    fork's graphs depend on the segment count only (warm_up.py builds the
+    common ones at load), and the forward's on the pass alone. On a CPU it
+    only moves the same copy a little earlier.
+    """
+    mx.eval([c.state for c in cache])
+
+
 def _fork_window(window_size: int, segments: list[KVSegment], position: int, length: int) -> Any:
     """A sliding-window layer at ``length``: the last min(length, window) stored positions, in order.
 

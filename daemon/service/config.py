@@ -184,6 +184,7 @@ OPTIONS: dict[str, Option] = {
         Option("shadow_rate", fraction, 0.05),
         Option("shadow_action", choice("log", "stop-reuse"), "log"),
         Option("attention", choice("auto", "fused", "matmul"), "auto", "auto: matmul for short multi-token passes on a CUDA GPU, fused elsewhere"),
+        Option("warm_up", choice("auto", "on", "off"), "auto", "auto: on a GPU, a loaded model runs its cache-hit passes once before serving"),
         Option("max_queued", integer(1), 256),
         Option("max_queued_per_client", integer(1), 64),
         Option("grace_seconds", number(0), 10.0),

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "log it (default), or also stop reusing that checkpoint kind for that model until restart")
     parser.add_argument("--attention", choices=["auto", "fused", "matmul"], help="attention for short multi-token passes (a cache hit's "
                         "tail): matmul avoids MLX's per-shape cuDNN graph build on CUDA (default auto: matmul on a CUDA GPU, fused elsewhere)")
+    parser.add_argument("--warm-up", choices=["auto", "on", "off"], help="run a loaded model's cache-hit passes (forks of 1-8 "
+                        "stored segments, the last token's pass) once before it serves, so that the first hits do not build "
+                        "MLX's CUDA graphs while a client waits (default auto: on a GPU)")
     parser.add_argument("--max-queued", type=int, help="queued requests in total before OVERLOADED (default 256)")
     parser.add_argument("--max-queued-per-client", type=int, help="queued requests per connection before OVERLOADED (default 64)")
     parser.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default 10)")
@@ -159,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         shadow_rate=args.shadow_rate,
         shadow_action=args.shadow_action,
         attention=args.attention,
+        warm_up=args.warm_up,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
     )

@@ -177,3 +177,24 @@ def test_a_models_dir_serves_every_model_in_it_on_demand(start_daemon, tiny_llam
         assert residency(conn)["llama"]["loaded"]
     (skipped,) = daemon.events("model_skipped")
     assert skipped["path"].endswith("unknown-arch") and "no_such_architecture" in skipped["error"]
+
+
+def test_with_warm_up_on_both_loads_warm_up_and_store_nothing_of_their_own(start_daemon, tiny_llama_dir, tiny_lfm2_dir):
+    """``--warm-up on`` (the default on a GPU only): the start's whole load and a request's load in steps both
+    fork made-up prefixes before serving, the store holds none of it, and the answers are the same as without."""
+    plain = start_daemon(models=[tiny_llama_dir, tiny_lfm2_dir], extra_args=["--warm-up", "off"])
+    with RawConnection(plain.socket_path) as conn:
+        expected = {model: ask(conn, model)["text"] for model in ("llama", "lfm2")}
+    assert plain.wait_for_event("model_loaded", model="llama")["warm_up_s"] is None
+    plain.stop()
+
+    daemon = start_daemon(models=[tiny_llama_dir, tiny_lfm2_dir], extra_args=["--warm-up", "on"])
+    assert daemon.wait_for_event("model_loaded", model="llama")["warm_up_s"] > 0
+    with RawConnection(daemon.socket_path) as conn:
+        assert conn.result("stats")["cache"]["total"]["num_bytes"] == 0
+        for model in ("llama", "lfm2"):  # lfm2 loads in steps, its warm-up among them
+            first = ask(conn, model)
+            assert first["cache"]["hit"] == "miss" and first["cache"]["reused_tokens"] == 0
+            assert first["text"] == expected[model]
+            assert ask(conn, model)["cache"]["hit"] == "exact"
+    assert daemon.wait_for_event("model_loaded", model="lfm2")["warm_up_s"] > 0

@@ -1,0 +1,62 @@
+"""The load-time warm-up (engine/warm_up.py) runs on every cache layout and leaves the model as it found it.
+
+It forks made-up stored prefixes of 1 to WARM_SEGMENTS segments and runs the
+last token's pass on each: an attention-only model, a hybrid one (state
+snapshots), sliding-window layers, and a state-only model. The same prompt
+answers the same afterwards, token for token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from prefixd.daemon.engine import warm_up
+from prefixd.daemon.models.loaded_model import load_model
+
+
+@pytest.fixture(params=["llama", "lfm2", "gemma3", "mamba"])
+def loaded(request):
+    return load_model(str(request.getfixturevalue(f"tiny_{request.param}_dir")))
+
+
+def greedy(model, tokens: list[int], count: int) -> list[int]:
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(tokens)[None], cache=cache)[:, -1, :]
+    out = []
+    for _ in range(count):
+        out.append(int(mx.argmax(logits, axis=-1).item()))
+        logits = model(mx.array(out[-1:])[None], cache=cache)[:, -1, :]
+    return out
+
+
+def test_the_warm_up_forks_every_segment_count_and_changes_no_answer(loaded):
+    prompt = [(i * 29) % 900 + 30 for i in range(50)]  # past the tiny gemma3's 32-token window
+    before = greedy(loaded.model, prompt, 8)
+    steps = warm_up.warm_up_steps(loaded)
+    yields = 0
+    while True:
+        try:
+            next(steps)
+            yields += 1
+        except StopIteration as done:
+            seconds = done.value
+            break
+    if loaded.layout.is_supported:
+        assert yields == warm_up.WARM_SEGMENTS + 1  # the prefill, then one fork per segment count
+        assert seconds > 0
+    else:
+        assert yields == 0 and seconds == 0.0
+    assert greedy(loaded.model, prompt, 8) == before
+
+
+@pytest.mark.parametrize("mode, on_gpu, wanted", [
+    ("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)])
+def test_auto_warms_up_on_a_gpu_only(mode, on_gpu, wanted):
+    assert warm_up.resolve_mode(mode, on_gpu) is wanted
+
+
+def test_an_unknown_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match="auto, on, off"):
+        warm_up.resolve_mode("always", True)
