@@ -168,6 +168,24 @@ def warm_up(peers) -> None:
             run_step(peer, [WARM_UP])
 
 
+FLOOR_REPEATS = 9
+
+
+def warm_hit_floor(peers, messages: list[dict]) -> dict | None:
+    """The in-process floor of a warm exact hit on the repeat workload's own prompt, in this run
+    (bench/inproc_worker.py: copy of a ready cache + the last token's pass + argmax)."""
+    inproc = next((p for p in peers if isinstance(p, InProcessPeer)), None)
+    if inproc is None:
+        return None
+    floor = inproc.ask({"op": "floor", "messages": messages, "repeats": FLOOR_REPEATS})
+    if "error" in floor:
+        print(f"    in-process floor failed: {floor['error']}", flush=True)
+        return None
+    print(f"    in-process floor of a warm hit on this prompt: {floor['floor_ms']:.1f} ms (median of {FLOOR_REPEATS})",
+          flush=True)
+    return floor
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short prompts, fewer turns/sessions (< 5 min)")
@@ -192,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 for w in workloads:
                     print(f"\n{w.title} ({w.notes}); load average {load_average()}", flush=True)
                     result = run_workload(w, peers)
+                    if w.key == "repeat":
+                        result["floor"] = warm_hit_floor(peers, result["sent_messages"][0])
                     result["min_prefill"] = floor.add([tokens.chat(m) for m in result.pop("sent_messages")])
                     run["workloads"].append(result)
             finally:

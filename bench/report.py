@@ -1,7 +1,7 @@
 """Figures, targets and output (Markdown, JSON, PNG) for bench/compare.py.
 
 ``summarize`` turns the raw per-request results into one row per workload and system;
-``targets`` checks the three goals of the comparison; ``markdown`` and ``plots`` render them.
+``targets`` checks the goals of the comparison; ``markdown`` and ``plots`` render them.
 All ratios are prefixd / peer from the same run (same machine, same load).
 """
 
@@ -66,7 +66,7 @@ def ratio(a: float, b: float) -> float:
 
 
 def targets(run: dict, summary: dict) -> list[dict]:
-    """The three goals, one line per workload where they apply; verdict 'met' / 'MISSED' / 'n/a'."""
+    """The goals, one line per workload where they apply; verdict 'met' / 'MISSED' / 'n/a'."""
     lines = []
     for w in run["workloads"]:
         s = summary[w["key"]]
@@ -81,6 +81,12 @@ def targets(run: dict, summary: dict) -> list[dict]:
             applies = not w["concurrent"]  # concurrent sessions share the CPU; in-process ran them one by one
             lines.append(_target("decode tok/s >= 0.95x in-process mlx-lm", w, s[PREFIXD]["decode_tok_s"],
                                  s[INPROC]["decode_tok_s"], r, r >= 0.95 if applies else None, "tok/s"))
+        if w.get("floor") and PREFIXD in s:
+            # Issue 13: within 1.5x of the floor on a GPU, 1.2x on a CPU.
+            limit = 1.2 if "cpu" in w["floor"]["device"] else 1.5
+            r = ratio(s[PREFIXD]["warm_p50"], w["floor"]["floor_ms"])
+            lines.append(_target(f"warm TTFT p50 <= {limit}x the in-process floor", w, s[PREFIXD]["warm_p50"],
+                                 w["floor"]["floor_ms"], r, r <= limit, "ms"))
         if w["key"] == "shared":
             r = ratio(s[PREFIXD]["prefilled"], w["min_prefill"])
             lines.append(_target("prefilled tokens <= 1.05x the minimum", w, s[PREFIXD]["prefilled"], w["min_prefill"],
