@@ -15,7 +15,12 @@ a warm-up at load removes it) or once per new depth (it would not).
    one lazy evaluation as the engine runs them, then the fork alone and the
    forward alone;
 2. the real daemon over its socket: each length cold, then three exact
-   repeats (client TTFT and the daemon's own prefill timing).
+   repeats (client TTFT and the daemon's own prefill timing);
+3. in process, mlx-lm's BatchGenerator as the daemon's decode batch drives it
+   (forks of one stored 600-token prefix, one input token each, greedy): the
+   first three steps of a batch of B rows, B = 2, 3, 4, 8, then the same sizes
+   again; multi-second first steps of a new batch were seen on the H200 in
+   round 1 of compare.py's shared workload (decode 2.7-4.5 s for 12 tokens).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,9 +42,10 @@ preload_blas()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from prefixd.daemon.kv.fork import capture_segment, fork_cache  # noqa: E402
+from prefixd.daemon.kv.fork import capture_segment, evaluate_fork, fork_cache  # noqa: E402
 from prefixd.daemon.kv.layout import make_cache_layout  # noqa: E402
 from harness import Daemon, connect, timed_generate  # noqa: E402 (bench/ is the script's own folder)
 
@@ -88,7 +95,40 @@ def in_process(model_dir: str, lengths: list[int], vocab_low: int = 100, vocab_h
     return rows
 
 
-def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str]) -> list[dict]:
+def batch_first_steps(model_dir: str, sizes: list[int], rounds: int = 2) -> list[dict]:
+    print("\n3. in process, mlx-lm's BatchGenerator on forks of one 600-token prefix (ms per step, first three steps)")
+    model, _ = load(model_dir)
+    layout = make_cache_layout(model)
+    rng = random.Random(2)
+    prefix = [rng.randrange(100, 30000) for _ in range(600)]
+    cache = make_prompt_cache(model)
+    model(mx.array(prefix)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    segment = capture_segment(cache, layout, 0, len(prefix))
+    rows = []
+    for round_index in range(rounds):
+        for size in sizes:
+            generator = BatchGenerator(model, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+                                       completion_batch_size=64, prefill_batch_size=64)
+            forks = []
+            for _ in range(size):
+                fork = fork_cache(model, layout, [segment], None, len(prefix))
+                evaluate_fork(fork)
+                forks.append(fork)
+            generator.insert([[rng.randrange(100, 30000)] for _ in range(size)], max_tokens=[8] * size, caches=forks)
+            steps = []
+            for _ in range(3):
+                started = time.perf_counter()
+                generator.next()
+                steps.append(ms_since(started))
+            generator.close() if hasattr(generator, "close") else None
+            rows.append({"round": round_index, "rows": size, "steps_ms": steps})
+            print(f"   round {round_index}, {size} rows: " + " ".join(f"{t:8.1f}" for t in steps))
+    del model
+    return rows
+
+
+def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], logs: str | None) -> list[dict]:
     print(f"\n2. the daemon over its socket ({' '.join(extra_args) or 'defaults'}): cold, then 3 exact repeats")
     rng = random.Random(1)
     words = "river stone cloud garden lamp window copper violet harbor meadow pencil orbit".split()
@@ -102,13 +142,19 @@ def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str]) ->
                 row = {"words": length, "prompt_tokens": replies[0]["cache"]["prompt_tokens"],
                        "hits": [r["cache"]["hit"] for r in replies],
                        "client_ttft_ms": [r["client_ttft_ms"] for r in replies],
-                       "prefill_ms": [r["timings"].get("prefill_ms") for r in replies]}
+                       "prefill_ms": [r["timings"].get("prefill_ms") for r in replies],
+                       "timings": [r["timings"] for r in replies]}
                 rows.append(row)
                 print(f"   {row['prompt_tokens']:5d} tokens: client TTFT "
                       + " ".join(f"{t:6.1f}" for t in row["client_ttft_ms"])
                       + "   daemon prefill " + " ".join(f"{t:6.1f}" for t in row["prefill_ms"])
                       + "   " + ",".join(row["hits"]))
         print(f"   ({time.perf_counter() - started:.1f} s of requests)")
+        if logs:
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            daemon.stop()
+            name = "-".join(extra_args).strip("-").replace(" ", "") or "defaults"
+            shutil.copy(daemon.log_path, Path(logs) / f"daemon-{name}.log")
     return rows
 
 
@@ -119,6 +165,8 @@ def main() -> int:
     parser.add_argument("--daemon-args", action="append", default=[],
                         help="run part 2 once per value (e.g. '' and '--no-warmup'); default: once with defaults")
     parser.add_argument("--parts", default="1,2")
+    parser.add_argument("--batch-sizes", default="2,3,4,8")
+    parser.add_argument("--daemon-logs", help="copy each daemon's log into this folder")
     parser.add_argument("--json")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -128,8 +176,10 @@ def main() -> int:
     if 1 in parts:
         out["in_process"] = in_process(args.model, lengths)
     if 2 in parts:
-        out["daemon"] = {extra: through_daemon(args.model, lengths, shlex.split(extra))
+        out["daemon"] = {extra: through_daemon(args.model, lengths, shlex.split(extra), args.daemon_logs)
                          for extra in (args.daemon_args or [""])}
+    if 3 in parts:
+        out["batch"] = batch_first_steps(args.model, [int(n) for n in args.batch_sizes.split(",")])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
