@@ -147,13 +147,7 @@ class ShadowRun:
 
     def _compare_logits(self, uncached: mx.array) -> float | None:
         cached = self.sample.cached_logits
-        if cached is None:
-            return None
-        uncached_lp = _logprobs(uncached)
-        cached_lp = _logprobs(cached)
-        top = mx.argsort(-uncached_lp, axis=-1)[..., :TOP_LOGPROBS_COMPARED]
-        difference = mx.abs(mx.take_along_axis(uncached_lp, top, axis=-1) - mx.take_along_axis(cached_lp, top, axis=-1))
-        return float(mx.max(difference).item())
+        return None if cached is None else top_logprob_difference(uncached, cached)
 
     def _logit_verdict(self) -> str:
         if self._logprob_difference is None:
@@ -178,6 +172,15 @@ class ShadowRun:
             reused_tokens=sample.reused_tokens,
             source=sample.source,
         )
+
+
+def top_logprob_difference(uncached: mx.array, cached: mx.array) -> float:
+    """The largest difference of log-probabilities over the uncached run's most likely tokens."""
+    uncached_lp = _logprobs(uncached)
+    cached_lp = _logprobs(cached)
+    top = mx.argsort(-uncached_lp, axis=-1)[..., :TOP_LOGPROBS_COMPARED]
+    difference = mx.abs(mx.take_along_axis(uncached_lp, top, axis=-1) - mx.take_along_axis(cached_lp, top, axis=-1))
+    return float(mx.max(difference).item())
 
 
 def _logprobs(logits: mx.array) -> mx.array:

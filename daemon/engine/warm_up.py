@@ -1,31 +1,41 @@
-"""Build at load what a model's first cache hits would otherwise build while a client waits (a GPU).
+"""Run once at load the paths a model's first requests would otherwise compile and build while a client waits.
 
-On CUDA, MLX replays each evaluation's kernels as CUDA graphs, instantiated
-the first time a graph topology is met and cached per stream after that
-(mlx/backend/cuda/device.cpp). A fork of S stored segments has one topology
-per S (kv/fork.py, ``evaluate_fork``), and the forward pass of a prompt's last
-token on a fork has its own (decode steps run on the decode batch's stream,
-whose graphs do not serve the prefill stream). In a fresh daemon on an H200,
-each exact hit at a segment count not met before cost 14-19 ms more than its
-repeats (bench/first_hit_probe.py, 2026-12-04): the first repeat of the repeat
-workload, the first hit after a restart, the first two-chunk prompt.
+Measured on an H200 in a fresh daemon (bench/first_hit_probe.py, 2026-12-04):
 
-So a model's load ends with forks of 1 to ``WARM_SEGMENTS`` segments of a few
-made-up tokens, each followed by the last-token pass and its sampling, the
-way start_prefill and last_token_logits run them. Nothing reaches the prefix
-store. ``auto`` warms up on a GPU only: a CPU builds no graphs, and compiles
-nothing per shape that this would catch.
+* MLX compiles some kernels at their first use in a process (NVRTC; the
+  compiled code is cached under /tmp/mlx): the first request's first decode
+  steps took 3.5 s, the first decode step of a batch of two rows 2.7 s, the
+  first shadow check held the engine (and the request behind it) 5.2 s;
+* MLX replays each evaluation as CUDA graphs, built the first time a graph
+  topology is met and cached per stream (mlx/backend/cuda/device.cpp). A fork
+  of S stored segments has a topology of its own per S (kv/fork.py,
+  ``evaluate_fork``), and so has the last-token pass on a fork: each exact hit
+  at a segment count not met before cost 14-19 ms more than its repeats.
+
+So a model's load ends with: forks of 1 to ``WARM_SEGMENTS`` segments of a few
+made-up tokens, each followed by the last-token pass; the first token sampled
+greedily and at a temperature; the decode paths the scheduler uses (one
+sequence alone, then two in a batch: batch_decoder.py); and the shadow
+check's comparison. Real code paths, made-up tokens; nothing reaches the
+prefix store or a client. ``auto`` warms up on a GPU only: a CPU builds no
+graphs and compiles nothing at first use that this would catch.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import mlx.core as mx
 
+from ...protocol.methods import parse_generate
 from ..kv.fork import capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..models.loaded_model import LoadedModel
+from .batch_decoder import BatchDecoder, sample_first
+from .jobs import GenerateJob
+from .prefill import make_sequence
+from .sequence_state import SequenceState
+from .shadow_run import top_logprob_difference
 
 MODES = ("auto", "on", "off")
 # Stored prefixes of up to this many segments are forked once at load. A
@@ -33,6 +43,8 @@ MODES = ("auto", "on", "off")
 # repeated prompts, file contexts and the first turns of a chat.
 WARM_SEGMENTS = 8
 SEGMENT_TOKENS = 16
+WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
+DECODE_STEPS = 3  # per phase: one sequence alone, then two in a batch
 
 
 def resolve_mode(mode: str, on_gpu: bool) -> bool:
@@ -42,7 +54,7 @@ def resolve_mode(mode: str, on_gpu: bool) -> bool:
 
 
 def warm_up_steps(loaded: LoadedModel) -> Generator[None, None, float]:
-    """Fork and run the last-token pass for each segment count; yields between forks, returns the seconds taken.
+    """The warm-up in steps (the engine decodes other models' requests between them); returns the seconds taken.
 
     Engine thread (MLX arrays belong to the thread that made them).
     """
@@ -59,14 +71,21 @@ def warm_up_steps(loaded: LoadedModel) -> Generator[None, None, float]:
         segments.append(capture_segment(cache, layout, start, start + SEGMENT_TOKENS))
         snapshots.append(capture_snapshot(cache, layout))
     yield
+
+    def fork(count: int) -> list[Any]:
+        forked = fork_cache(model, layout, segments[:count], snapshots[count - 1], count * SEGMENT_TOKENS)
+        evaluate_fork(forked)
+        return forked
+
+    last_logits = []
     for count in range(1, WARM_SEGMENTS + 1):
-        length = count * SEGMENT_TOKENS
-        fork = fork_cache(model, layout, segments[:count], snapshots[count - 1], length)
-        evaluate_fork(fork)
-        logits = model(mx.array(tokens[length : length + 1])[None], cache=fork)[:, -1, :]
-        mx.eval(logits)
+        logits = _last_token_logits(model, fork(count), tokens[count * SEGMENT_TOKENS])
         mx.eval(mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))
+        last_logits.append(logits)
         yield
+    _decode_paths(loaded, lambda: fork(WARM_SEGMENTS), tokens[-1])
+    yield
+    top_logprob_difference(last_logits[-1], last_logits[-2])
     return time.perf_counter() - started
 
 
@@ -79,7 +98,38 @@ def run_all(steps: Generator[None, None, Any]) -> Any:
             return done.value
 
 
+def _decode_paths(loaded: LoadedModel, make_fork: Callable[[], list[Any]], last_token: int) -> None:
+    """A greedy sequence decodes alone (the solo path), then a sampled one joins it (the batch path)."""
+    decoder = BatchDecoder(loaded.model, loaded.eos_token_ids)
+    sequences = []
+    for temperature in (0.0, 0.7):
+        seq = _made_up_sequence(loaded, temperature)
+        seq.cache = make_fork()
+        first = sample_first(seq, _last_token_logits(loaded.model, seq.cache, last_token))
+        seq.generated.append(first)
+        decoder.add(seq, [first], DECODE_STEPS * 2)
+        sequences.append(seq)
+        for _ in range(DECODE_STEPS):
+            for event in decoder.step():
+                event.seq.generated.append(event.token)
+    for seq in sequences:
+        if decoder.holds(seq):
+            decoder.remove(seq)
+
+
+def _made_up_sequence(loaded: LoadedModel, temperature: float) -> SequenceState:
+    params = parse_generate({"prompt": WARM_UP_TEXT, "max_tokens": DECODE_STEPS * 2 + 1, "temperature": temperature,
+                             "stream": False})
+    return make_sequence(GenerateJob("warm-up", None, params, emit=lambda kind, payload: None), loaded)
+
+
+def _last_token_logits(model: Any, cache: list[Any], token: int) -> mx.array:
+    logits = model(mx.array([token])[None], cache=cache)[:, -1, :]
+    mx.eval(logits)
+    return logits
+
+
 def _made_up_tokens(loaded: LoadedModel, count: int) -> list[int]:
     """Ordinary text's token ids (any ids would do: only shapes matter here)."""
-    ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
+    ids = loaded.tokenizer.encode(WARM_UP_TEXT, add_special_tokens=False) or [0]
     return (ids * (count // len(ids) + 1))[:count]
