@@ -106,7 +106,18 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     fault_point("start_prefill")
 
 
-def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool) -> list[tuple[int, str]]:
+def system_prompt_ends(prompt: EncodedPrompt) -> frozenset[int]:
+    """Where the leading system (or developer) messages end: the prefix other conversations share."""
+    ends = []
+    for span in prompt.message_spans:
+        if span.role not in ("system", "developer"):
+            break
+        ends.append(span.end_token)
+    return frozenset(ends)
+
+
+def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool,
+               pinned: frozenset[int] = frozenset()) -> list[tuple[int, str]]:
     """Take the stops the next forward pass covers off the front of ``plan``.
 
     A hybrid model's conv/SSM state can only be snapshotted where a pass ends,
@@ -118,7 +129,11 @@ def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_h
     stop closer than HYBRID_MIN_PASS_TOKENS to the pass's start or to the next
     stop becomes a label without a snapshot: resuming there later recomputes
     those few tokens from the previous snapshot. The prompt's end always ends
-    a pass (the exact-hit checkpoint).
+    a pass (the exact-hit checkpoint), and so does each ``pinned`` stop: the
+    end of the system prompt (system_prompt_ends), which other sessions share
+    and ask something else after, often in fewer than 16 tokens (on the H200
+    four sessions on one system prompt each recomputed it: 4,731 tokens
+    prefilled where 652 would do, bench/compare.py --quick on lfm2).
     Attention KV can be cut at any depth, so for other models one pass runs
     through every stop within a chunk of ``position`` (message and chunk
     boundaries become labels only): on a CPU where each pass at a long context
@@ -130,7 +145,7 @@ def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_h
         while plan and plan[0][0] <= position + chunk_size:
             taken.append(plan.pop(0))
         return taken
-    while plan and plan[0][0] <= position + chunk_size and (
+    while plan and plan[0][0] <= position + chunk_size and taken[-1][0] not in pinned and (
             taken[-1][0] - position < HYBRID_MIN_PASS_TOKENS or plan[0][0] - taken[-1][0] < HYBRID_MIN_PASS_TOKENS):
         taken.append(plan.pop(0))
     return taken
@@ -147,7 +162,7 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int)
     """
     fault_point("prefill")
     layout = seq.loaded.layout
-    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid)
+    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid, system_prompt_ends(seq.prompt))
     depth = stops[-1][0]
     takes_last = not seq.plan and not seq.job.warm_only and not layout.is_hybrid and depth == len(seq.tokens) - 1
     run_to = depth + 1 if takes_last else depth

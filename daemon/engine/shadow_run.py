@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
-from .prefill import next_stops, plan_prefill
+from .prefill import next_stops, plan_prefill, system_prompt_ends
 
 # The logit check compares log-probabilities of the uncached run's most likely
 # tokens: the tail of a vocabulary is where low-precision rounding is largest
@@ -119,7 +119,8 @@ class ShadowRun:
 
     def _prefill_pass(self) -> mx.array | None:
         """Mirrors prefill.prefill_step: the last pass of an attention model takes the last token along."""
-        stops = next_stops(self._plan, self._position, self._chunk_size, self.is_hybrid)
+        stops = next_stops(self._plan, self._position, self._chunk_size, self.is_hybrid,
+                           system_prompt_ends(self.sample.prompt))
         depth = stops[-1][0]
         takes_last = not self._plan and not self.is_hybrid and depth == len(self._tokens) - 1
         run_to = depth + 1 if takes_last else depth

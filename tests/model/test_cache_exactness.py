@@ -172,6 +172,21 @@ def test_two_sessions_interleaved_on_a_shared_system_prompt(loaded):
     store.check_integrity()
 
 
+def test_a_second_session_reuses_the_whole_system_prompt_before_its_short_question(loaded):
+    """With a GPU's 2,048-token chunks there is no chunk checkpoint inside a 400-token system prompt: a hybrid
+    model resumes from the snapshot at the system prompt's end, which must exist although a short question
+    ends the prompt a few tokens later (prefill.next_stops, pinned stops)."""
+    if not loaded.tokenizer.has_chat_template:
+        pytest.skip("model without a chat template")
+    store = make_store()
+    system = {"role": "system", "content": SOURCE_TEXT[2000:3500]}
+    first = run(loaded, store, messages=[system, {"role": "user", "content": "Why?"}], max_tokens=4, chunk=2048)
+    second = run(loaded, store, messages=[system, {"role": "user", "content": "How?"}], max_tokens=4, chunk=2048)
+    plain = run(loaded, store, messages=[system, {"role": "user", "content": "How?"}], max_tokens=4, use=False)
+    assert second["text"] == plain["text"]
+    assert second["cache"]["reused_tokens"] >= second["cache"]["prompt_tokens"] - 16, (first["cache"], second["cache"])
+
+
 def stored_sequences(store: PrefixStore, namespace: str) -> list[list[int]]:
     """Every root-to-edge token sequence the store holds for a model."""
     full: dict[int, list[int]] = {}

@@ -7,7 +7,7 @@ time-to-first-token on a warm chat turn.
 from __future__ import annotations
 
 from prefixd.daemon.models.prompt_encoding import EncodedPrompt, MessageSpan
-from prefixd.daemon.engine.prefill import next_stops, plan_prefill
+from prefixd.daemon.engine.prefill import next_stops, plan_prefill, system_prompt_ends
 
 
 def chat_prompt(num_tokens: int, message_ends: list[int]) -> EncodedPrompt:
@@ -15,10 +15,11 @@ def chat_prompt(num_tokens: int, message_ends: list[int]) -> EncodedPrompt:
     return EncodedPrompt(list(range(num_tokens)), None, spans)
 
 
-def passes(plan: list[tuple[int, str]], start: int, chunk: int, hybrid: bool) -> list[list[tuple[int, str]]]:
+def passes(plan: list[tuple[int, str]], start: int, chunk: int, hybrid: bool,
+           pinned: frozenset[int] = frozenset()) -> list[list[tuple[int, str]]]:
     plan, position, out = list(plan), start, []
     while plan:
-        stops = next_stops(plan, position, chunk, hybrid)
+        stops = next_stops(plan, position, chunk, hybrid, pinned)
         out.append(stops)
         position = stops[-1][0]
     return out
@@ -64,3 +65,20 @@ def test_no_pass_is_longer_than_a_chunk():
             assert 0 < stops[-1][0] - position <= 512
             position = stops[-1][0]
         assert position == 2999
+
+
+def test_a_hybrid_pass_ends_at_the_system_prompt_even_when_the_question_after_it_is_short():
+    # Sessions sharing a system prompt (ends at 584) ask short questions: the prompt ends 11 tokens later.
+    # The snapshot at 584 is what the next session reuses, so that stop is not merged into the prompt's end.
+    prompt = chat_prompt(596, [584, 592])
+    ends = [p[-1][0] for p in passes(plan_prefill(0, 595, 2048, prompt), 0, 2048, hybrid=True,
+                                     pinned=system_prompt_ends(prompt))]
+    assert ends == [584, 595]
+    assert [p[-1][0] for p in passes(plan_prefill(0, 595, 2048, prompt), 0, 2048, hybrid=True)] == [595]
+
+
+def test_only_the_leading_system_messages_are_the_shared_prefix():
+    prompt = EncodedPrompt(list(range(100)), None, (MessageSpan(0, "system", 20), MessageSpan(1, "developer", 30),
+                                                    MessageSpan(2, "user", 60), MessageSpan(3, "system", 80)))
+    assert system_prompt_ends(prompt) == frozenset({20, 30})
+    assert system_prompt_ends(chat_prompt(50, [])) == frozenset()
