@@ -41,6 +41,13 @@ log = structlog.get_logger("prefixd.engine")
 # after which the engine stops trying: something is broken beyond one batch.
 MAX_FAILED_ITERATIONS = 3
 NUM_GRAMMAR_THREADS = 2
+# A pending shadow check starts only after the engine has been idle this long. A
+# pass cannot be interrupted (a cold prefill chunk: 0.1-0.6 s on an H200 at a new
+# shape, seconds on a CPU), and clients that send their next request as soon as
+# an answer ends (a chat, an agent's loop, a benchmark) would otherwise find one
+# running: on the H200 three of 16 back-to-back requests waited 20-400 ms behind
+# one (bench/first_hit_probe.py, 2026-12-04).
+SHADOW_IDLE_GRACE_S = 0.2
 
 
 class ControlCall:
@@ -79,6 +86,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.controls = ControlCalls(self)
         self._held_job: GenerateJob | None = None  # admitted once memory frees up
+        self._busy_at = 0.0  # monotonic: the last iteration that served a request (SHADOW_IDLE_GRACE_S)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._stopping = threading.Event()
@@ -246,16 +254,27 @@ class Engine:
             self.scheduler.step()
             if shadow.has_urgent_work:  # verify requests' checks share the engine's time: a pass per iteration
                 shadow.step()
+            self._busy_at = time.monotonic()
             return
         if self.residency.waits_for_room:
             # Nothing runs, so the room frees up as the last replies go out (they
             # unpin their models); queued jobs stay behind the parked one till then.
             time.sleep(0.005)
             return
-        # Idle. A pending shadow check runs one pass at a time, and only while
-        # nothing is queued: a request arriving now waits one pass at most.
-        item = self.inbox.take(timeout=0 if shadow.has_work or loading else 0.25)
-        if item is None and shadow.has_work:
+        # Idle. A pending shadow check runs one pass at a time, only while
+        # nothing is queued, and once the engine has been idle for the grace:
+        # a request arriving now waits one pass at most.
+        grace_left = SHADOW_IDLE_GRACE_S - (time.monotonic() - self._busy_at)
+        if loading:
+            timeout = 0.0
+        elif shadow.has_urgent_work:  # a verify request waits for its check: no grace
+            timeout = 0.0
+        elif shadow.has_work:
+            timeout = max(0.0, grace_left)
+        else:
+            timeout = 0.25
+        item = self.inbox.take(timeout=timeout)
+        if item is None and shadow.has_work and (shadow.has_urgent_work or time.monotonic() - self._busy_at >= SHADOW_IDLE_GRACE_S):
             shadow.step()
             return
         if isinstance(item, GenerateJob):
