@@ -17,6 +17,13 @@ A guard for the MLX builds that have the check: on the H200 with the mlx
 cuDNN attention cache of 4) raised nothing with the check on or off, in
 process or through the daemon (2026-12-04); pyproject.toml allows newer MLX.
 
+MLX's CUDA backend also compiles some kernels at their first use (NVRTC) and
+keeps what it compiled under the system's temporary directory
+(``/tmp/mlx/<version>/ptx``), which a reboot or a service's private /tmp
+empties. On a fresh H200 the daemon's load-time warm-up (engine/warm_up.py)
+spent 24 s compiling; with the kernels on disk, 0.6 s. So the daemon keeps
+them in its own cache directory, per MLX version (``MLX_PTX_CACHE_DIR``).
+
 An operator's own value is kept. MLX reads these when it first builds each
 cache, so setting them before the engine's first GPU pass is enough; the
 daemon does it before importing MLX at all.
@@ -25,17 +32,33 @@ daemon does it before importing MLX at all.
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+import sys
+from collections.abc import Mapping, MutableMapping
+from importlib import metadata
+from pathlib import Path
 
 DAEMON_DEFAULTS = {
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }
 
 
+def kernel_cache_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """Where MLX keeps the kernels it compiles: the daemon's cache directory, per MLX version."""
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(environ.get("XDG_CACHE_HOME") or Path(environ.get("HOME") or Path.home()) / ".cache")
+    try:
+        version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return str(base / "prefixd" / "mlx-kernels" / version)
+
+
 def apply_daemon_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Set each of DAEMON_DEFAULTS the environment lacks; returns what was set (for the start-up log)."""
+    """Set each default the environment lacks; returns what was set (for the start-up log)."""
     applied = {}
-    for name, value in DAEMON_DEFAULTS.items():
+    for name, value in {**DAEMON_DEFAULTS, "MLX_PTX_CACHE_DIR": kernel_cache_dir(environ)}.items():
         if name not in environ:
             environ[name] = value
             applied[name] = value
