@@ -20,7 +20,12 @@ a warm-up at load removes it) or once per new depth (it would not).
    (forks of one stored 600-token prefix, one input token each, greedy): the
    first three steps of a batch of B rows, B = 2, 3, 4, 8, then the same sizes
    again; multi-second first steps of a new batch were seen on the H200 in
-   round 1 of compare.py's shared workload (decode 2.7-4.5 s for 12 tokens).
+   round 1 of compare.py's shared workload (decode 2.7-4.5 s for 12 tokens);
+4. the same with rows of different depths (600 + 7i tokens), so that the batch
+   is left-padded and every decode step attends through an array mask at a
+   key length it has not met before: in compare.py's full shared workload only
+   the seven sessions that joined the leader's batch decoded slowly (3.3-4.5 s
+   for 12 tokens against the leader's 0.55 s), in every run of 2026-12-04-c.
 """
 
 from __future__ import annotations
@@ -95,12 +100,16 @@ def in_process(model_dir: str, lengths: list[int], vocab_low: int = 100, vocab_h
     return rows
 
 
-def batch_first_steps(model_dir: str, sizes: list[int], rounds: int = 2) -> list[dict]:
-    print("\n3. in process, mlx-lm's BatchGenerator on forks of one 600-token prefix (ms per step, first three steps)")
+def batch_first_steps(model_dir: str, sizes: list[int], rounds: int = 2, ragged: bool = False,
+                      num_steps: int = 3) -> list[dict]:
+    if ragged:
+        print(f"\n4. the same, rows at depths 600 + 7i (a left-padded batch, an array mask), first {num_steps} steps")
+    else:
+        print("\n3. in process, mlx-lm's BatchGenerator on forks of one 600-token prefix (ms per step, first three steps)")
     model, _ = load(model_dir)
     layout = make_cache_layout(model)
     rng = random.Random(2)
-    prefix = [rng.randrange(100, 30000) for _ in range(600)]
+    prefix = [rng.randrange(100, 30000) for _ in range(600 + 7 * max(sizes))]
     cache = make_prompt_cache(model)
     model(mx.array(prefix)[None], cache=cache)
     mx.eval([c.state for c in cache])
@@ -111,19 +120,22 @@ def batch_first_steps(model_dir: str, sizes: list[int], rounds: int = 2) -> list
             generator = BatchGenerator(model, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
                                        completion_batch_size=64, prefill_batch_size=64)
             forks = []
-            for _ in range(size):
-                fork = fork_cache(model, layout, [segment], None, len(prefix))
+            for row in range(size):
+                depth = 600 + (7 * row if ragged else 0)
+                head, _ = segment.split(depth)
+                fork = fork_cache(model, layout, [head], None, depth)
                 evaluate_fork(fork)
                 forks.append(fork)
-            generator.insert([[rng.randrange(100, 30000)] for _ in range(size)], max_tokens=[8] * size, caches=forks)
+            generator.insert([[rng.randrange(100, 30000)] for _ in range(size)], max_tokens=[num_steps + 2] * size,
+                             caches=forks)
             steps = []
-            for _ in range(3):
+            for _ in range(num_steps):
                 started = time.perf_counter()
                 generator.next()
                 steps.append(ms_since(started))
             generator.close() if hasattr(generator, "close") else None
-            rows.append({"round": round_index, "rows": size, "steps_ms": steps})
-            print(f"   round {round_index}, {size} rows: " + " ".join(f"{t:8.1f}" for t in steps))
+            rows.append({"round": round_index, "rows": size, "ragged": ragged, "steps_ms": steps})
+            print(f"   round {round_index}, {size} rows: " + " ".join(f"{t:7.1f}" for t in steps))
     del model
     return rows
 
@@ -180,6 +192,8 @@ def main() -> int:
                          for extra in (args.daemon_args or [""])}
     if 3 in parts:
         out["batch"] = batch_first_steps(args.model, [int(n) for n in args.batch_sizes.split(",")])
+    if 4 in parts:
+        out["ragged_batch"] = batch_first_steps(args.model, [8], ragged=True, num_steps=12)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
