@@ -373,7 +373,7 @@ class Engine:
     def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
         """Load a configured model's weights whole (at start, or when asked to). Engine thread."""
         loaded = self.load_one_model(entry.spec)
-        warm_up_seconds = run_all(warm_up_steps(loaded)) if self._warms_up else None
+        warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
 
     def _load_entry_in_steps(self, entry: CatalogEntry) -> Generator[None, None, LoadedModel]:
@@ -381,9 +381,19 @@ class Engine:
         started = time.perf_counter()
         loaded = yield from load_in_steps(entry.spec, entry.path, self.settings.dtype, self.settings.attention,
                                           self._tokenizer_pool)
-        warm_up_seconds = (yield from warm_up_steps(loaded)) if self._warms_up else None
+        warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
         return self._adopt(loaded, entry, warm_up_seconds)
+
+    def _warm_up(self, loaded: LoadedModel, entry: CatalogEntry) -> Generator[None, None, float | None]:
+        """The warm-up's steps (engine/warm_up.py). It only saves the first requests time: one that fails
+        is logged and the model serves without it (its requests then pay the first-use costs)."""
+        try:
+            return (yield from warm_up_steps(loaded))
+        except Exception as exc:
+            log.warning("warm_up_failed", model=entry.name, error=f"{type(exc).__name__}: {exc}",
+                        action="serving without it")
+            return None
 
     def _adopt(self, loaded: LoadedModel, entry: CatalogEntry, warm_up_seconds: float | None = None) -> LoadedModel:
         loaded.name = loaded.encoder.model_name = entry.name

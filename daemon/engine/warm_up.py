@@ -32,6 +32,7 @@ from ...protocol.methods import parse_generate
 from ..kv.fork import capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..models.loaded_model import LoadedModel
 from .batch_decoder import BatchDecoder, sample_first
+from .faults import fault_point
 from .jobs import GenerateJob
 from .prefill import make_sequence
 from .sequence_state import SequenceState
@@ -62,6 +63,7 @@ def warm_up_steps(loaded: LoadedModel) -> Generator[None, None, float]:
     if not layout.is_supported:
         return 0.0  # no fork is ever made for it
     started = time.perf_counter()
+    fault_point("warm_up")
     tokens = _made_up_tokens(loaded, WARM_SEGMENTS * SEGMENT_TOKENS + 1)
     cache = fork_cache(model, layout, [], None, 0)
     segments, snapshots = [], []

@@ -198,3 +198,15 @@ def test_with_warm_up_on_both_loads_warm_up_and_store_nothing_of_their_own(start
             assert first["text"] == expected[model]
             assert ask(conn, model)["cache"]["hit"] == "exact"
     assert daemon.wait_for_event("model_loaded", model="lfm2")["warm_up_s"] > 0
+
+
+def test_a_failed_warm_up_is_logged_and_the_model_serves_without_it(start_daemon, tiny_llama_dir, tiny_lfm2_dir):
+    daemon = start_daemon(models=[tiny_llama_dir, tiny_lfm2_dir], extra_args=["--warm-up", "on"],
+                          env={"PREFIXD_FAULTS": "warm_up:*"})
+    with RawConnection(daemon.socket_path) as conn:
+        for model in ("llama", "lfm2"):  # a whole load at start, a load in steps on first use
+            assert ask(conn, model)["usage"]["completion_tokens"] > 0
+            assert ask(conn, model)["cache"]["hit"] == "exact"
+    for model in ("llama", "lfm2"):
+        assert daemon.wait_for_event("warm_up_failed", model=model)["action"] == "serving without it"
+        assert daemon.wait_for_event("model_loaded", model=model)["warm_up_s"] is None
