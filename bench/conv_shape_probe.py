@@ -33,27 +33,10 @@ from prefixd.daemon.models.blas import preload_blas
 preload_blas()
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-
-class ShiftedDepthwiseConv(nn.Module):
-    """``conv(x)`` of a depthwise nn.Conv1d without padding, as K shifted multiply-adds."""
-
-    def __init__(self, conv: nn.Conv1d):
-        super().__init__()
-        self.weight = conv.weight  # (channels, K, 1)
-        if "bias" in conv:
-            self.bias = conv.bias
-
-    def __call__(self, x: mx.array) -> mx.array:
-        kernel = self.weight.shape[1]
-        length = x.shape[1] - kernel + 1
-        out = x[:, :length, :] * self.weight[:, 0, 0]
-        for k in range(1, kernel):
-            out = out + x[:, k : k + length, :] * self.weight[:, k, 0]
-        return out + self.bias if "bias" in self else out
+from prefixd.daemon.models.short_conv import ShiftedDepthwiseConv  # noqa: E402 (the daemon's form on CUDA)
 
 
 def short_convs(model) -> list:

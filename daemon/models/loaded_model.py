@@ -20,7 +20,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from ...protocol.methods import PromptInput
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
-from . import tail_attention
+from . import short_conv, tail_attention
 from .prompt_encoding import EncodedPrompt, PromptEncoder
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 20
@@ -88,10 +88,11 @@ def model_description(model: Any, default: bool, attention: str | None) -> dict[
 
 
 def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto",
-               load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load) -> LoadedModel:
+               load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load, conv: str = "auto") -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
     ``attention``: how short multi-token passes attend (tail_attention.py).
+    ``conv``: the form of a hybrid model's short convolutions (short_conv.py).
     ``load_weights``: path -> (model, tokenizer); ranks of a distributed daemon
     each load their shard (distributed/sharded_loading.py).
     """
@@ -109,6 +110,7 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
     layout = make_cache_layout(model)
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
+    short_conv.install(model, conv)
     kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,

@@ -1,0 +1,83 @@
+"""Hybrid models' short convolutions as shifted multiply-adds on CUDA, where a new pass length costs a build.
+
+Why: LFM2's ShortConv layers run a depthwise ``nn.Conv1d`` (kernel
+``conv_L_cache``, 3 wide) over the new tokens and the two before them. MLX's
+CUDA backend hands a convolution to cuDNN, which prepares it per input
+shape. A cache hit's tail (a chat turn, an edit) has a new length on nearly
+every request, and on an H200 lfm2's 32-token chat tails took 263-279 ms at a
+new length against 30 ms at a length met before (bench/results/gpu/2026-12-04-c,
+run 5; bench/conv_shape_probe.py measures the two forms).
+
+A depthwise convolution of K taps is K shifted multiply-adds: elementwise
+kernels, the same ones at every length, nothing prepared per shape. Each
+output position is a sum over the same K products whatever the pass's
+length, so a tail computes exactly what a full prefill computes at that
+position, and cached answers stay identical to uncached ones. The sum is
+kept in float32 (as a convolution kernel accumulates) and rounded once.
+
+Elsewhere (Metal, CPU) MLX's own convolution stays: it has no per-shape cost there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MODES = ("auto", "native", "shifted")
+
+
+class ShiftedDepthwiseConv(nn.Module):
+    """``conv(x)`` of a depthwise, unpadded, stride-1 ``nn.Conv1d``, as K shifted multiply-adds."""
+
+    def __init__(self, conv: nn.Conv1d):
+        super().__init__()
+        self.weight = conv.weight  # (channels, K, 1)
+        if "bias" in conv:
+            self.bias = conv.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        taps = self.weight.shape[1]
+        length = x.shape[1] - taps + 1
+        weight = self.weight[:, :, 0].astype(mx.float32)
+        out = x[:, :length, :].astype(mx.float32) * weight[:, 0]
+        for k in range(1, taps):
+            out = out + x[:, k : k + length, :].astype(mx.float32) * weight[:, k]
+        if "bias" in self:
+            out = out + self.bias.astype(mx.float32)
+        return out.astype(x.dtype)
+
+
+def resolve_mode(mode: str) -> str:
+    """``auto``: shifted on a CUDA GPU (where cuDNN prepares each new length), native elsewhere."""
+    if mode not in MODES:
+        raise ValueError(f"short convolution mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    on_cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
+    return "shifted" if on_cuda else "native"
+
+
+def install(model: Any, mode: str = "auto") -> int:
+    """Swap each depthwise short convolution of the model for the shifted form if ``mode`` says so; how many."""
+    if resolve_mode(mode) != "shifted":
+        return 0
+    swapped = 0
+    for module in _modules(model):
+        conv = getattr(module, "conv", None)
+        if isinstance(conv, nn.Conv1d) and _is_plain_depthwise(conv):
+            module.conv = ShiftedDepthwiseConv(conv)
+            swapped += 1
+    return swapped
+
+
+def _is_plain_depthwise(conv: nn.Conv1d) -> bool:
+    channels, _, per_group = conv.weight.shape
+    return (conv.groups == channels and per_group == 1 and conv.padding == 0 and conv.stride == 1
+            and conv.dilation == 1)
+
+
+def _modules(model: Any) -> list[Any]:
+    modules = getattr(model, "modules", None)
+    return list(modules()) if callable(modules) else []
