@@ -15,7 +15,8 @@ Measured on an H200 in a fresh daemon (bench/first_hit_probe.py, 2026-12-04):
 So a model's load ends with: forks of 1 to ``WARM_SEGMENTS`` segments of a few
 made-up tokens, each followed by the last-token pass; the first token sampled
 greedily and at a temperature; the decode paths the scheduler uses (one
-sequence alone, then two in a batch: batch_decoder.py); and the shadow
+sequence alone, a left-padded batch that rows join and leave, the return to
+one alone: batch_decoder.py); and the shadow
 check's comparison. Real code paths, made-up tokens; nothing reaches the
 prefix store or a client. ``auto`` warms up on a GPU only: a CPU builds no
 graphs and compiles nothing at first use that this would catch.
@@ -31,7 +32,7 @@ import mlx.core as mx
 from ...protocol.methods import parse_generate
 from ..kv.fork import capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..models.loaded_model import LoadedModel
-from .batch_decoder import BatchDecoder, sample_first
+from .batch_decoder import MIN_SOLO_TOKENS_LEFT, BatchDecoder, sample_first
 from .faults import fault_point
 from .jobs import GenerateJob
 from .prefill import make_sequence
@@ -45,7 +46,11 @@ MODES = ("auto", "on", "off")
 WARM_SEGMENTS = 8
 SEGMENT_TOKENS = 16
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
-DECODE_STEPS = 3  # per phase: one sequence alone, then two in a batch
+DECODE_STEPS = 3  # per phase of the decode batch (_decode_paths)
+# The first sequence's answer ends inside the batch, after the others joined;
+# theirs are long enough to leave the last one MIN_SOLO_TOKENS_LEFT for the solo path.
+FIRST_ANSWER_STEPS = DECODE_STEPS * 3 + 2
+LATER_ANSWER_STEPS = FIRST_ANSWER_STEPS + DECODE_STEPS * 2 + MIN_SOLO_TOKENS_LEFT + 2
 
 
 def resolve_mode(mode: str, on_gpu: bool) -> bool:
@@ -85,7 +90,7 @@ def warm_up_steps(loaded: LoadedModel) -> Generator[None, None, float]:
         mx.eval(mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))
         last_logits.append(logits)
         yield
-    _decode_paths(loaded, lambda: fork(WARM_SEGMENTS), tokens[-1])
+    _decode_paths(loaded, fork, tokens[-1])
     yield
     top_logprob_difference(last_logits[-1], last_logits[-2])
     return time.perf_counter() - started
@@ -100,27 +105,54 @@ def run_all(steps: Generator[None, None, Any]) -> Any:
             return done.value
 
 
-def _decode_paths(loaded: LoadedModel, make_fork: Callable[[], list[Any]], last_token: int) -> None:
-    """A greedy sequence decodes alone (the solo path), then a sampled one joins it (the batch path)."""
+def _decode_paths(loaded: LoadedModel, fork: Callable[[int], list[Any]], last_token: int) -> None:
+    """The decode batch's life as concurrent requests live it, from one row to three and back.
+
+    1. a greedy sequence decodes alone (the solo path);
+    2. a sampled one joins at a shallower depth, then a third, shallower
+       still: the batch is left-padded and attends through an array mask;
+    3. the first row's answer ends inside the batch: its cache is extracted
+       and the others are filtered and shifted left. On an H200 the first
+       such step in a process took 3.7 s, every later one 30-60 ms
+       (bench/decode_batch_probe.py, round 1 against round 2): it was what
+       kept the shared workload's followers waiting after their leader ended;
+    4. a row is taken out (what a stop string or a cancel does);
+    5. the last row goes back to the solo path (attention-only models), and is taken out.
+    """
     decoder = BatchDecoder(loaded.model, loaded.eos_token_ids)
-    sequences = []
-    for temperature in (0.0, 0.7):
-        seq = _made_up_sequence(loaded, temperature)
-        seq.cache = make_fork()
+    joiners = ((0.0, WARM_SEGMENTS, FIRST_ANSWER_STEPS), (0.7, WARM_SEGMENTS - 1, LATER_ANSWER_STEPS),
+               (0.0, WARM_SEGMENTS - 2, LATER_ANSWER_STEPS))
+    rows = []
+    for temperature, segments, budget in joiners:
+        seq = _made_up_sequence(loaded, temperature, budget + 1)
+        seq.cache = fork(segments)
         first = sample_first(seq, _last_token_logits(loaded.model, seq.cache, last_token))
         seq.generated.append(first)
-        decoder.add(seq, [first], DECODE_STEPS * 2)
-        sequences.append(seq)
-        for _ in range(DECODE_STEPS):
-            for event in decoder.step():
-                event.seq.generated.append(event.token)
-    for seq in sequences:
+        decoder.add(seq, [first], budget)
+        rows.append(seq)
+        _steps(decoder, DECODE_STEPS)
+    leader, taken_out, last = rows
+    for _ in range(FIRST_ANSWER_STEPS):
+        if not decoder.holds(leader):
+            break
+        _steps(decoder, 1)
+    _steps(decoder, 1)
+    if decoder.holds(taken_out):
+        decoder.remove(taken_out)
+    _steps(decoder, DECODE_STEPS)
+    for seq in rows:
         if decoder.holds(seq):
             decoder.remove(seq)
 
 
-def _made_up_sequence(loaded: LoadedModel, temperature: float) -> SequenceState:
-    params = parse_generate({"prompt": WARM_UP_TEXT, "max_tokens": DECODE_STEPS * 2 + 1, "temperature": temperature,
+def _steps(decoder: BatchDecoder, count: int) -> None:
+    for _ in range(count):
+        for event in decoder.step():
+            event.seq.generated.append(event.token)
+
+
+def _made_up_sequence(loaded: LoadedModel, temperature: float, max_tokens: int) -> SequenceState:
+    params = parse_generate({"prompt": WARM_UP_TEXT, "max_tokens": max_tokens, "temperature": temperature,
                              "stream": False})
     return make_sequence(GenerateJob("warm-up", None, params, emit=lambda kind, payload: None), loaded)
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixd.daemon.engine import warm_up
+from prefixd.daemon.engine import batch_decoder, warm_up
 from prefixd.daemon.models.loaded_model import load_model
 
 
@@ -49,6 +49,36 @@ def test_the_warm_up_forks_every_segment_count_and_changes_no_answer(loaded):
     else:
         assert yields == 0 and seconds == 0.0
     assert greedy(loaded.model, prompt, 8) == before
+
+
+def test_the_decode_batch_is_warmed_through_joins_a_row_ending_inside_it_a_removal_and_the_return_to_solo(
+        tiny_llama_dir, tiny_lfm2_dir, monkeypatch):
+    """What a first burst of concurrent requests would otherwise meet cold on a GPU (bench/decode_batch_probe.py)."""
+    seen: list[tuple[str, int]] = []
+
+    class Recording(batch_decoder.BatchDecoder):
+        def step(self):
+            rows = len(self)
+            events = super().step()
+            seen.extend(("ended inside the batch", rows) for e in events if e.done_by_batch and rows > 1)
+            return events
+
+        def remove(self, seq):
+            seen.append(("removed", len(self)))
+            return super().remove(seq)
+
+        def _leave_batch_alone(self):
+            super()._leave_batch_alone()
+            if self._solo is not None:
+                seen.append(("back to solo", len(self)))
+
+    monkeypatch.setattr(warm_up, "BatchDecoder", Recording)
+    for path, hybrid in ((tiny_llama_dir, False), (tiny_lfm2_dir, True)):
+        seen.clear()
+        warm_up.run_all(warm_up.warm_up_steps(load_model(str(path))))
+        assert ("ended inside the batch", 3) in seen
+        assert ("removed", 2) in seen
+        assert (("back to solo", 1) in seen) is not hybrid  # a conv state cannot be trimmed: hybrids stay in the batch
 
 
 @pytest.mark.parametrize("mode, on_gpu, wanted", [
