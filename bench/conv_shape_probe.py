@@ -14,8 +14,11 @@ convolution of a 3-wide kernel is also three shifted multiply-adds
 
 On a warm cache of ``--context`` tokens (a copy of one prefilled cache per
 pass), for tails of new lengths: the first pass and a repeat with MLX's
-convolution, then, at other new lengths, with the shifted form; and the
-largest logit difference between the two forms on the same tail.
+convolution, then, at other new lengths, with the shifted form (the daemon's,
+daemon/models/short_conv.py); the largest logit difference between the two
+forms on the same tail; and decode steps of 1 and 4 rows with each form
+(twice each, alternating), since a decode step's convolution has a fixed
+shape and the shifted form is more kernels.
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ def timed_tail(model, ready: list, tokens: list[int]) -> tuple[float, mx.array]:
     logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
     mx.eval(logits, [c.state for c in cache])
     return (time.perf_counter() - started) * 1000, logits
+
+
+def timed_decode(model, context: list[int], rows: int, token: int, steps: int) -> list[float]:
+    """Greedy decode steps of ``rows`` sequences on ``context``, each step evaluated before the next."""
+    cache = make_prompt_cache(model)
+    model(mx.array([context] * rows), cache=cache)
+    mx.eval([c.state for c in cache])
+    y = mx.array([[token]] * rows)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None]
+        mx.eval(y)
+        times.append((time.perf_counter() - started) * 1000)
+    return times
 
 
 def main() -> int:
@@ -97,6 +115,15 @@ def main() -> int:
         same = int(mx.argmax(a)) == int(mx.argmax(b))
         diffs.append({"tail": n, "max_abs_diff": diff, "same_argmax": same})
         print(f"tail {n}: largest logit difference conv1d vs shifted {diff:.4g}, same argmax {same}")
+    print("decode steps (greedy, on the warm cache), ms per step: rows  form  median  (first 3 steps)")
+    out["decode"] = []
+    for rows in (1, 4):
+        for form_name, forms in (("conv1d", stock), ("shifted", shifted), ("conv1d", stock), ("shifted", shifted)):
+            use(forms)
+            times = timed_decode(model, tokens[: args.context], rows, tokens[args.context], steps=48)
+            out["decode"].append({"rows": rows, "form": form_name, "step_ms": times})
+            print(f"   {rows}  {form_name:8s} {statistics.median(times[3:]):6.2f}  ("
+                  + " ".join(f"{t:.1f}" for t in times[:3]) + ")")
     use(stock)
     out["differences"] = diffs
     if args.json:

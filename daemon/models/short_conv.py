@@ -41,9 +41,12 @@ class ShiftedDepthwiseConv(nn.Module):
         taps = self.weight.shape[1]
         length = x.shape[1] - taps + 1
         weight = self.weight[:, :, 0].astype(mx.float32)
-        out = x[:, :length, :].astype(mx.float32) * weight[:, 0]
-        for k in range(1, taps):
-            out = out + x[:, k : k + length, :].astype(mx.float32) * weight[:, k]
+        if length == 1:  # a decode step: one product and one sum, fewer kernels than K multiply-adds
+            out = mx.sum(x.astype(mx.float32) * weight.T, axis=1, keepdims=True)
+        else:
+            out = x[:, :length, :].astype(mx.float32) * weight[:, 0]
+            for k in range(1, taps):
+                out = out + x[:, k : k + length, :].astype(mx.float32) * weight[:, k]
         if "bias" in self:
             out = out + self.bias.astype(mx.float32)
         return out.astype(x.dtype)
