@@ -13,7 +13,9 @@ Measured on an H200 in a fresh daemon (bench/first_hit_probe.py, 2026-12-04):
   at a segment count not met before cost 14-19 ms more than its repeats.
 
 So a model's load ends with: forks of 1 to ``WARM_SEGMENTS`` segments of a few
-made-up tokens, each followed by the last-token pass; the first token sampled
+made-up tokens, each followed by the last-token pass, and forks of up to
+``GROUPED_SEGMENTS`` (a longer stored path is joined in groups on CUDA:
+kv/fork.py); the first token sampled
 greedily and at a temperature; the decode paths the scheduler uses (one
 sequence alone, a left-padded batch that rows join and leave, the return to
 one alone: batch_decoder.py); and the shadow
@@ -30,7 +32,7 @@ from typing import Any, Callable, Generator
 import mlx.core as mx
 
 from ...protocol.methods import parse_generate
-from ..kv.fork import capture_segment, capture_snapshot, evaluate_fork, fork_cache
+from ..kv.fork import FORK_GROUP, capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..models.loaded_model import LoadedModel
 from .batch_decoder import MIN_SOLO_TOKENS_LEFT, BatchDecoder, sample_first
 from .faults import fault_point
@@ -43,7 +45,10 @@ MODES = ("auto", "on", "off")
 # Stored prefixes of up to this many segments are forked once at load. A
 # segment is a prefill chunk, a chat message's end or an answer, so this covers
 # repeated prompts, file contexts and the first turns of a chat.
-WARM_SEGMENTS = 8
+WARM_SEGMENTS = FORK_GROUP
+# Forks of more segments join them in groups on CUDA (kv/fork.py: _join_in_groups),
+# each group of 1 to FORK_GROUP segments: forking up to twice that many builds every group.
+GROUPED_SEGMENTS = 2 * FORK_GROUP
 SEGMENT_TOKENS = 16
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
 DECODE_STEPS = 3  # per phase of the decode batch (_decode_paths)
@@ -69,10 +74,10 @@ def warm_up_steps(loaded: LoadedModel) -> Generator[None, None, float]:
         return 0.0  # no fork is ever made for it
     started = time.perf_counter()
     fault_point("warm_up")
-    tokens = _made_up_tokens(loaded, WARM_SEGMENTS * SEGMENT_TOKENS + 1)
+    tokens = _made_up_tokens(loaded, GROUPED_SEGMENTS * SEGMENT_TOKENS + 1)
     cache = fork_cache(model, layout, [], None, 0)
     segments, snapshots = [], []
-    for start in range(0, WARM_SEGMENTS * SEGMENT_TOKENS, SEGMENT_TOKENS):
+    for start in range(0, GROUPED_SEGMENTS * SEGMENT_TOKENS, SEGMENT_TOKENS):
         model(mx.array(tokens[start : start + SEGMENT_TOKENS])[None], cache=cache)
         mx.eval([c.state for c in cache])
         segments.append(capture_segment(cache, layout, start, start + SEGMENT_TOKENS))
@@ -90,6 +95,9 @@ def warm_up_steps(loaded: LoadedModel) -> Generator[None, None, float]:
         mx.eval(mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))
         last_logits.append(logits)
         yield
+    for count in range(WARM_SEGMENTS + 1, GROUPED_SEGMENTS + 1):  # the grouped joins of a longer path (kv/fork.py)
+        fork(count)
+    yield
     _decode_paths(loaded, fork, tokens[-1])
     yield
     top_logprob_difference(last_logits[-1], last_logits[-2])

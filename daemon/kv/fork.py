@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..cuda import on_cuda
 from .layout import CacheLayout
 from .segments import KVSegment, StateSnapshot
 from .window_kv import window_cache, window_range
@@ -19,6 +20,11 @@ from .window_kv import window_cache, window_range
 # Spare room given to a forked attention cache, so the first tokens appended
 # after a hit write in place instead of triggering a second full copy.
 FORK_HEADROOM_TOKENS = 256
+# On CUDA a fork joins its stored segments at most this many at a time (_join_in_groups).
+FORK_GROUP = 8
+# None: group on CUDA only (where an evaluation's CUDA graphs are cached by
+# topology); tests set True or False.
+GROUPED_FORK: bool | None = None
 
 
 def can_capture(cache: list[Any], layout: CacheLayout, start: int) -> bool:
@@ -87,12 +93,17 @@ def fork_cache(
     assert sum(s.num_tokens for s in segments) == length, "segments must cover the prefix exactly"
     assert snapshot is not None or not layout.is_hybrid, "a hybrid fork needs a state snapshot"
     windows = set(layout.window_layers)
+    full = [(position, layer_index) for position, layer_index in enumerate(layout.attention_layers)
+            if layer_index not in windows]
+    parts = [[s.keys[position] for s in segments] for position, _ in full]
+    parts += [[s.values[position] for s in segments] for position, _ in full]
+    if len(segments) > FORK_GROUP and (GROUPED_FORK if GROUPED_FORK is not None else on_cuda()):
+        parts = _join_in_groups(parts)
     for position, layer_index in enumerate(layout.attention_layers):
         if layer_index in windows:
             cache[layer_index] = _fork_window(layout.window_size, segments, position, length)
-            continue
-        keys = [s.keys[position] for s in segments]
-        values = [s.values[position] for s in segments]
+    for index, (position, layer_index) in enumerate(full):
+        keys, values = parts[index], parts[len(full) + index]
         batch, heads, _, key_dim = keys[0].shape
         keys.append(mx.zeros((batch, heads, FORK_HEADROOM_TOKENS, key_dim), keys[0].dtype))
         values.append(mx.zeros((batch, heads, FORK_HEADROOM_TOKENS, values[0].shape[-1]), values[0].dtype))
@@ -104,6 +115,30 @@ def fork_cache(
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
     return cache
+
+
+def _join_in_groups(parts: list[list[mx.array]]) -> list[list[mx.array]]:
+    """Each layer's segments joined FORK_GROUP at a time, one evaluation per group, until at most FORK_GROUP are left.
+
+    Why: MLX's CUDA backend caches an evaluation's CUDA graphs by topology,
+    and the fork's concatenation of S segments (per layer) is a topology per
+    S. A chat's stored path gains segments every turn (a message's end, the
+    answer), so without this nearly every turn forked at a segment count not
+    met before and paid for new graphs (bench/chat_turn_probe.py). In groups,
+    every evaluation joins 1 to FORK_GROUP segments per layer, and the last
+    join (fork_cache, with the headroom) takes at most FORK_GROUP pieces:
+    shapes the warm-up builds at load (warm_up.py forks up to 2 x FORK_GROUP
+    segments). The price is one more copy of the prefix, in device memory.
+    """
+    while max(len(layer_parts) for layer_parts in parts) > FORK_GROUP:
+        joined: list[list[mx.array]] = [[] for _ in parts]
+        for start in range(0, max(len(layer_parts) for layer_parts in parts), FORK_GROUP):
+            group = [mx.concatenate(layer_parts[start : start + FORK_GROUP], axis=2) for layer_parts in parts]
+            mx.eval(group)
+            for layer_joined, piece in zip(joined, group):
+                layer_joined.append(piece)
+        parts = joined
+    return parts
 
 
 def evaluate_fork(cache: list[Any]) -> None:

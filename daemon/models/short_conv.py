@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cuda import on_cuda
+
 MODES = ("auto", "native", "shifted")
 
 
@@ -58,8 +60,7 @@ def resolve_mode(mode: str) -> str:
         raise ValueError(f"short convolution mode must be one of {', '.join(MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
-    on_cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
-    return "shifted" if on_cuda else "native"
+    return "shifted" if on_cuda() else "native"
 
 
 def install(model: Any, mode: str = "auto") -> int:

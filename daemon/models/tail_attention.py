@@ -38,6 +38,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..cuda import on_cuda
+
 MODES = ("auto", "fused", "matmul")
 
 # Above this many attention scores (batch x heads x queries x keys) a pass keeps
@@ -54,8 +56,7 @@ def resolve_mode(mode: str) -> str:
         raise ValueError(f"attention mode must be one of {', '.join(MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
-    on_cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
-    return "matmul" if on_cuda else "fused"
+    return "matmul" if on_cuda() else "fused"
 
 
 def install(model: Any, mode: str) -> str:

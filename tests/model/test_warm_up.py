@@ -44,7 +44,7 @@ def test_the_warm_up_forks_every_segment_count_and_changes_no_answer(loaded):
             seconds = done.value
             break
     if loaded.layout.is_supported:
-        assert yields == warm_up.WARM_SEGMENTS + 2  # the prefill, a fork per segment count, the decode paths
+        assert yields == warm_up.WARM_SEGMENTS + 3  # the prefill, a fork per segment count, the grouped forks, the decode paths
         assert seconds > 0
     else:
         assert yields == 0 and seconds == 0.0
