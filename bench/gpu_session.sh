@@ -4,7 +4,8 @@
 # Steps: floor, batch, batchstep (bench/batch_step_probe.py), probe, firsthit (bench/first_hit_probe.py), probe-ragged (its part 4: a left-padded decode
 # batch), probe-conv (bench/conv_shape_probe.py: lfm2's short convolution at new tail lengths), probe-decode
 # (bench/decode_batch_probe.py: the daemon's decode batch step by step as the shared workload's rounds fill and
-# empty it; probe-decode-nographs: the same with MLX_USE_CUDA_GRAPHS=0), quick, full, chunk512, concurrency, lfm2-quick, lfm2-full; and
+# empty it; probe-decode-nographs: the same with MLX_USE_CUDA_GRAPHS=0), probe-chat (bench/chat_turn_probe.py: a warm
+# chat turn's prefill, operation by operation), quick, full, chunk512, concurrency, lfm2-quick, lfm2-full; and
 # quick-fused, full-fused, lfm2-quick-fused: the same with --attention fused (MLX's own attention for
 # tails, to compare with the default matmul form on CUDA: models/tail_attention.py); probe-tails
 # (shape_probe parts 6-7), probe-tails-nographs (part 7 with MLX_USE_CUDA_GRAPHS=0), fuse
@@ -38,6 +39,7 @@ for s in "$@"; do
     batchstep) step batchstep python3 bench/batch_step_probe.py /tmp/q06 --context 1000 --steps 40 ;;
     probe) step probe python3 bench/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
     probe-conv) step probe-conv python3 bench/conv_shape_probe.py /tmp/lfm2 --context 1000 --json "$out/probe-conv.json" ;;
+    probe-chat) step probe-chat python3 bench/chat_turn_probe.py /tmp/q06 --json "$out/probe-chat.json" ;;
     probe-decode) step probe-decode python3 bench/decode_batch_probe.py /tmp/q06 --json "$out/probe-decode.json" ;;
     probe-decode-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-decode-nographs python3 bench/decode_batch_probe.py /tmp/q06 --json "$out/probe-decode-nographs.json" ;;
     probe-ragged) step probe-ragged python3 bench/first_hit_probe.py /tmp/q06 --parts 4 --json "$out/probe-ragged.json" ;;
