@@ -39,7 +39,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from prefixd.daemon.models import short_conv  # noqa: E402 (the daemon's forms on CUDA)
+from prefixd.daemon.models.short_conv import ShiftedDepthwiseConv  # noqa: E402 (the daemon's form on CUDA)
 
 
 def short_convs(model) -> list:
@@ -82,8 +82,7 @@ def main() -> int:
         print(f"{args.model}: no ShortConv layers (an LFM2-family model is needed)")
         return 2
     stock = [c.conv for c in convs]
-    shifted = [short_conv.ShiftedDepthwiseConv(c.conv) for c in convs]
-    kernel = [short_conv.KernelDepthwiseConv(c.conv) for c in convs] if short_conv.kernel_agrees(stock[0]) else None
+    shifted = [ShiftedDepthwiseConv(c.conv) for c in convs]
 
     def use(forms) -> None:
         for layer, form in zip(convs, forms):
@@ -99,11 +98,7 @@ def main() -> int:
     out: dict = {"device": str(mx.default_device()), "mlx": mx.__version__, "context": args.context, "rows": []}
     print(f"device {mx.default_device()}, mlx {mx.__version__}, {len(convs)} ShortConv layers, context {args.context}")
     print("tail   form      first ms  repeat ms")
-    print(f"the one-kernel form: {'agrees with the elementwise form' if kernel else 'not available'}")
-    table = [("conv1d", stock, (23, 37, 51, 66, 83)), ("shifted", shifted, (24, 38, 52, 67, 84))]
-    if kernel:
-        table.append(("kernel", kernel, (25, 39, 53, 68, 85)))
-    for form_name, forms, lengths in table:
+    for form_name, forms, lengths in (("conv1d", stock, (23, 37, 51, 66, 83)), ("shifted", shifted, (24, 38, 52, 67, 84))):
         use(forms)
         for n in lengths:
             first, _ = timed_tail(model, ready, tail[:n])
@@ -114,20 +109,16 @@ def main() -> int:
     for n in (23, 52):
         use(stock)
         _, a = timed_tail(model, ready, tail[:n])
-        for form_name, forms in (("shifted", shifted), ("kernel", kernel)):
-            if forms is None:
-                continue
-            use(forms)
-            _, b = timed_tail(model, ready, tail[:n])
-            diff = float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
-            same = int(mx.argmax(a)) == int(mx.argmax(b))
-            diffs.append({"tail": n, "form": form_name, "max_abs_diff": diff, "same_argmax": same})
-            print(f"tail {n}: largest logit difference conv1d vs {form_name} {diff:.4g}, same argmax {same}")
+        use(shifted)
+        _, b = timed_tail(model, ready, tail[:n])
+        diff = float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
+        same = int(mx.argmax(a)) == int(mx.argmax(b))
+        diffs.append({"tail": n, "max_abs_diff": diff, "same_argmax": same})
+        print(f"tail {n}: largest logit difference conv1d vs shifted {diff:.4g}, same argmax {same}")
     print("decode steps (greedy, on the warm cache), ms per step: rows  form  median  (first 3 steps)")
     out["decode"] = []
     for rows in (1, 4):
-        rounds = [("conv1d", stock), ("shifted", shifted)] + ([("kernel", kernel)] if kernel else [])
-        for form_name, forms in rounds * 2:
+        for form_name, forms in (("conv1d", stock), ("shifted", shifted), ("conv1d", stock), ("shifted", shifted)):
             use(forms)
             times = timed_decode(model, tokens[: args.context], rows, tokens[args.context], steps=48)
             out["decode"].append({"rows": rows, "form": form_name, "step_ms": times})

@@ -15,14 +15,6 @@ length, so a tail computes exactly what a full prefill computes at that
 position, and cached answers stay identical to uncached ones. The sum is
 kept in float32 (as a convolution kernel accumulates) and rounded once.
 
-On CUDA the same sum runs as one small kernel of its own (``mx.fast.cuda_kernel``,
-compiled once and kept with MLX's other compiled kernels): K multiply-adds per
-output in float32, one launch per layer instead of seven, which a decode step
-of a small model notices (bench/conv_shape_probe.py: the elementwise form cost
-0.2-0.4 ms more per step than cuDNN's on an H200). At install it is checked
-against the elementwise form on random input; a kernel that fails to build or
-disagrees is not used, and the elementwise form serves (logged).
-
 Elsewhere (Metal, CPU) MLX's own convolution stays: it has no per-shape cost there.
 """
 
@@ -30,17 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import types
-
 import mlx.core as mx
 import mlx.nn as nn
-import structlog
 
 from ..cuda import on_cuda
 
-log = structlog.get_logger()
-
-MODES = ("auto", "native", "shifted", "kernel")
+MODES = ("auto", "native", "shifted")
 
 
 class ShiftedDepthwiseConv(nn.Module):
@@ -51,13 +38,11 @@ class ShiftedDepthwiseConv(nn.Module):
         self.weight = conv.weight  # (channels, K, 1)
         if "bias" in conv:
             self.bias = conv.bias
-        # The taps in float32, (channels, K), made once; held outside the module's parameters.
-        self._float32 = types.SimpleNamespace(taps=mx.contiguous(conv.weight[:, :, 0].astype(mx.float32)))
 
     def __call__(self, x: mx.array) -> mx.array:
         taps = self.weight.shape[1]
         length = x.shape[1] - taps + 1
-        weight = self._float32.taps
+        weight = self.weight[:, :, 0].astype(mx.float32)
         if length == 1:  # a decode step: one product and one sum, fewer kernels than K multiply-adds
             out = mx.sum(x.astype(mx.float32) * weight.T, axis=1, keepdims=True)
         else:
@@ -69,85 +54,26 @@ class ShiftedDepthwiseConv(nn.Module):
         return out.astype(x.dtype)
 
 
-_KERNEL_SOURCE = """
-    size_t elem = cooperative_groups::this_grid().thread_rank();
-    size_t channels = x_shape[2];
-    size_t length_in = x_shape[1];
-    size_t num_taps = taps_shape[1];
-    size_t length_out = length_in - num_taps + 1;
-    if (elem >= x_shape[0] * length_out * channels) {
-        return;
-    }
-    size_t channel = elem % channels;
-    size_t row_position = elem / channels;
-    size_t position = row_position % length_out;
-    size_t row = row_position / length_out;
-    const T* first = x + (row * length_in + position) * channels + channel;
-    float sum = 0.0f;
-    for (size_t k = 0; k < num_taps; ++k) {
-        sum += static_cast<float>(first[k * channels]) * taps[channel * num_taps + k];
-    }
-    out[elem] = static_cast<T>(sum);
-"""
-_kernel: list[Any] = []  # built once per process
-
-
-class KernelDepthwiseConv(ShiftedDepthwiseConv):
-    """The same sum as ShiftedDepthwiseConv, one CUDA kernel launch per call (no bias: LFM2's convolutions have none)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if not _kernel:
-            _kernel.append(mx.fast.cuda_kernel(name="prefixd_depthwise_conv", input_names=["x", "taps"],
-                                               output_names=["out"], source=_KERNEL_SOURCE))
-        taps = self._float32.taps
-        length = x.shape[1] - taps.shape[1] + 1
-        size = x.shape[0] * length * x.shape[2]
-        (out,) = _kernel[0](inputs=[x, taps], template=[("T", x.dtype)], grid=(size, 1, 1), threadgroup=(256, 1, 1),
-                            output_shapes=[(x.shape[0], length, x.shape[2])], output_dtypes=[x.dtype])
-        return out
-
-
 def resolve_mode(mode: str) -> str:
-    """``auto``: the kernel (else shifted) on a CUDA GPU, where cuDNN prepares each new length; native elsewhere."""
+    """``auto``: shifted on a CUDA GPU (where cuDNN prepares each new length), native elsewhere."""
     if mode not in MODES:
         raise ValueError(f"short convolution mode must be one of {', '.join(MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
-    return "kernel" if on_cuda() else "native"
+    return "shifted" if on_cuda() else "native"
 
 
-def install(model: Any, mode: str = "auto") -> str:
-    """Swap each depthwise short convolution of the model for the form ``mode`` asks; the form in use."""
-    mode = resolve_mode(mode)
-    convs = [(module, module.conv) for module in _modules(model)
-             if isinstance(getattr(module, "conv", None), nn.Conv1d) and _is_plain_depthwise(module.conv)]
-    if mode == "native" or not convs:
-        return "native"
-    biasless = [conv for _, conv in convs if "bias" not in conv]
-    if mode == "kernel" and (not biasless or not kernel_agrees(biasless[0])):
-        mode = "shifted"
-    for module, conv in convs:
-        use_kernel = mode == "kernel" and "bias" not in conv
-        module.conv = KernelDepthwiseConv(conv) if use_kernel else ShiftedDepthwiseConv(conv)
-    return mode
-
-
-def kernel_agrees(conv: nn.Conv1d) -> bool:
-    """Whether the kernel builds and computes what the elementwise form computes (on random input, every length kind)."""
-    try:
-        checked = KernelDepthwiseConv(conv)
-        reference = ShiftedDepthwiseConv(conv)
-        channels, taps = conv.weight.shape[0], conv.weight.shape[1]
-        for shape in ((1, taps, channels), (3, taps + 37, channels)):
-            x = mx.random.normal(shape, key=mx.random.key(shape[1])).astype(conv.weight.dtype)
-            got, wanted = checked(x), reference(x)
-            if not mx.allclose(got.astype(mx.float32), wanted.astype(mx.float32), rtol=1e-2, atol=1e-2).item():
-                log.warning("short_conv_kernel_disagrees", using="shifted")
-                return False
-        return True
-    except Exception as exc:  # no CUDA, NVRTC missing, a changed kernel API: the elementwise form serves
-        log.warning("short_conv_kernel_unavailable", error=f"{type(exc).__name__}: {exc}", using="shifted")
-        return False
+def install(model: Any, mode: str = "auto") -> int:
+    """Swap each depthwise short convolution of the model for the shifted form if ``mode`` says so; how many."""
+    if resolve_mode(mode) != "shifted":
+        return 0
+    swapped = 0
+    for module in _modules(model):
+        conv = getattr(module, "conv", None)
+        if isinstance(conv, nn.Conv1d) and _is_plain_depthwise(conv):
+            module.conv = ShiftedDepthwiseConv(conv)
+            swapped += 1
+    return swapped
 
 
 def _is_plain_depthwise(conv: nn.Conv1d) -> bool:
