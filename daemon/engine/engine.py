@@ -408,6 +408,7 @@ class Engine:
             hybrid=loaded.layout.is_hybrid,
             cache_layers=loaded.layout.describe(),
             attention=loaded.attention,
+            short_conv=loaded.short_conv,
             warm_up_s=None if warm_up_seconds is None else round(warm_up_seconds, 3),
             fingerprint=loaded.fingerprint,
             process_peak_rss_bytes=peak_rss_bytes(),

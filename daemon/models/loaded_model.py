@@ -54,6 +54,7 @@ class LoadedModel:
     prefill_tokens_per_s: float = 0.0  # running estimate, for "time saved" figures
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
+    short_conv: str = "native"  # the form of a hybrid model's short convolutions (short_conv.py)
 
     def describe(self, default: bool) -> dict[str, Any]:
         return model_description(self, default, self.attention)
@@ -110,7 +111,7 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
     layout = make_cache_layout(model)
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
-    short_conv.install(model, conv)
+    conv = short_conv.install(model, conv)
     kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
@@ -128,6 +129,7 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
         weight_bytes=weight_bytes,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         attention=attention,
+        short_conv=conv,
     )
 
 

@@ -15,6 +15,12 @@ length, so a tail computes exactly what a full prefill computes at that
 position, and cached answers stay identical to uncached ones. The sum is
 kept in float32 (as a convolution kernel accumulates) and rounded once.
 
+Decode steps take this form too: with cuDNN's the first step at each batch
+size cost 182-2,293 ms on the H200, and later steps cost the same in either
+form within the noise (2.2-2.4 ms for one row, 3.7-5.4 ms for four; a
+one-kernel ``mx.fast.cuda_kernel`` version measured the same and was not
+kept; bench/results/gpu/2026-12-04-d).
+
 Elsewhere (Metal, CPU) MLX's own convolution stays: it has no per-shape cost there.
 """
 
@@ -63,17 +69,17 @@ def resolve_mode(mode: str) -> str:
     return "shifted" if on_cuda() else "native"
 
 
-def install(model: Any, mode: str = "auto") -> int:
-    """Swap each depthwise short convolution of the model for the shifted form if ``mode`` says so; how many."""
+def install(model: Any, mode: str = "auto") -> str:
+    """Swap each depthwise short convolution of the model for the shifted form if ``mode`` says so; the form in use."""
     if resolve_mode(mode) != "shifted":
-        return 0
+        return "native"
     swapped = 0
     for module in _modules(model):
         conv = getattr(module, "conv", None)
         if isinstance(conv, nn.Conv1d) and _is_plain_depthwise(conv):
             module.conv = ShiftedDepthwiseConv(conv)
             swapped += 1
-    return swapped
+    return "shifted" if swapped else "native"
 
 
 def _is_plain_depthwise(conv: nn.Conv1d) -> bool:

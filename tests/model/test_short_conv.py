@@ -57,19 +57,21 @@ def test_other_convolutions_are_left_alone():
             self.conv = nn.Conv1d(8, 8, 3, padding=1, groups=8)  # padded: not the short convolution's shape
 
     holder = Holder()
-    assert short_conv.install(holder, "shifted") == 0 and isinstance(holder.conv, nn.Conv1d)
+    assert short_conv.install(holder, "shifted") == "native" and isinstance(holder.conv, nn.Conv1d)
     with pytest.raises(ValueError, match="native, shifted"):
         short_conv.install(holder, "fast")
 
 
 def test_auto_keeps_mlx_convolution_on_a_cpu(tiny_lfm2_dir):
     loaded = load_model(str(tiny_lfm2_dir))
+    assert loaded.short_conv == "native"
     assert all(isinstance(layer.conv, nn.Conv1d) for layer in short_convs(loaded.model))
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def shifted_lfm2(request, tiny_lfm2_dir):
     loaded = load_model(str(tiny_lfm2_dir), dtype=request.param, conv="shifted")
+    assert loaded.short_conv == "shifted"
     layers = short_convs(loaded.model)
     assert layers and all(isinstance(layer.conv, short_conv.ShiftedDepthwiseConv) for layer in layers)
     return loaded
