@@ -15,8 +15,8 @@ length, so a tail computes exactly what a full prefill computes at that
 position, and cached answers stay identical to uncached ones. The sum is
 kept in float32 (as a convolution kernel accumulates) and rounded once.
 
-Decode steps take this form too: with cuDNN's the first step at each batch
-size cost 182-2,293 ms on the H200, and later steps cost the same in either
+Decode steps take this form too: with cuDNN's the first steps at each batch
+size cost 0.2-2.8 s on the H200 (one row: 527 then 2,293 ms), and later steps cost the same in either
 form within the noise (2.2-2.4 ms for one row, 3.7-5.4 ms for four; a
 one-kernel ``mx.fast.cuda_kernel`` version measured the same and was not
 kept; bench/results/gpu/2026-12-04-d).
