@@ -130,9 +130,9 @@ def _join_in_groups(parts: list[list[mx.array]]) -> list[list[mx.array]]:
     shapes the warm-up builds at load (warm_up.py forks up to 2 x FORK_GROUP
     segments). The price is one more copy of the prefix, in device memory.
     """
-    while max(len(layer_parts) for layer_parts in parts) > FORK_GROUP:
+    while len(parts[0]) > FORK_GROUP:  # every layer has one part per segment
         joined: list[list[mx.array]] = [[] for _ in parts]
-        for start in range(0, max(len(layer_parts) for layer_parts in parts), FORK_GROUP):
+        for start in range(0, len(parts[0]), FORK_GROUP):
             group = [mx.concatenate(layer_parts[start : start + FORK_GROUP], axis=2) for layer_parts in parts]
             mx.eval(group)
             for layer_joined, piece in zip(joined, group):
