@@ -1,8 +1,8 @@
 """The opt-in HTTP front (aiohttp, in the daemon's event loop): OpenAI's API here, the others beside.
 
 ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions``,
-streamed as server-sent events or not; Ollama's (``ollama_api``), Anthropic's
-(``anthropic_api``), llama.cpp's /infill (``infill_api``) and /metrics
+streamed as server-sent events or not; OpenAI's Responses API (``responses_api``),
+Ollama's (``ollama_api``), Anthropic's (``anthropic_api``), llama.cpp's /infill (``infill_api``) and /metrics
 (``metrics``) add their routes to the same app. It never touches MLX: every request
 becomes a GenerateJob run through ``Handlers.run_job``, like a socket request,
 so both fronts share one engine and one prefix store. A client that goes
@@ -38,13 +38,14 @@ from ...protocol.codec import MAX_MESSAGE_BYTES
 from ...protocol.errors import RpcError
 from ..engine.jobs import GenerateJob
 from ..models.names import model_not_found
-from . import anthropic_api, http_errors, infill_api, metrics, ollama_api
+from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, responses_api
 from . import openai_shapes as shapes
 from .handlers import Handlers
 from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
 from .http_options import is_loopback
 from .listener import SocketFile, bind_unix_socket
 from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
+from .response_store import ResponseStore
 
 log = structlog.get_logger("prefixd.http")
 READ_TIMEOUT_SECONDS = 30.0  # for one request's head and body; generous for a local client on any link
@@ -80,6 +81,9 @@ class HttpFront:
             server.close()  # no wait_closed(): it would wait for the connections the runner is about to end
         self.servers.clear()
         await self.runner.cleanup()
+        store = self.runner.app.get(responses_api.STORE_KEY)
+        if store is not None:
+            await store.flush()  # stored responses being written to disk
         self.remove_socket_file()
 
     def remove_socket_file(self) -> None:
@@ -98,11 +102,13 @@ async def start_http_front(
     peer_policy: PeerPolicy | None = None,
     shutdown_timeout: float = 10.0,
     read_timeout: float = READ_TIMEOUT_SECONDS,
+    responses_dir: Path | None = None,
 ) -> HttpFront:
     """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``.
 
     ``token``: the bearer token TCP requests must carry (None: none asked for).
     ``read_timeout``: seconds a request's head and body may take to arrive.
+    ``responses_dir``: where stored Responses-API responses outlive a restart (None: in memory only).
     """
     if host is None and unix_path is None:
         raise ValueError("give a host and port, a unix_path, or both")
@@ -115,12 +121,16 @@ async def start_http_front(
     app.router.add_post("/v1/completions", completions)
     ollama_api.add_routes(app.router)
     anthropic_api.add_routes(app.router)
+    responses_api.add_routes(app.router)
     infill_api.add_routes(app.router)
     metrics.add_routes(app.router, handlers)
     path = Path(unix_path).expanduser() if unix_path is not None else None
     front = HttpFront(app, path, token, peer_policy or PeerPolicy(), shutdown_timeout)
     app[HANDLERS_KEY] = handlers
     app[FRONT_KEY] = front
+    app[responses_api.STORE_KEY] = store = ResponseStore(directory=responses_dir)
+    if responses_dir is not None:
+        log.info("responses_loaded", num_responses=await asyncio.to_thread(store.load), directory=str(responses_dir))
     await front.runner.setup()
     loop = asyncio.get_running_loop()
 

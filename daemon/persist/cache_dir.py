@@ -23,6 +23,8 @@ import structlog
 from .format import SUFFIX, BadEntry, EntryHeader, read_header
 
 log = structlog.get_logger("prefixd.disk_cache")
+RESPONSES_FOLDER = "responses"  # the HTTP front's stored Responses-API conversations (front/response_store.py)
+NOT_MODEL_FOLDERS = frozenset({RESPONSES_FOLDER})  # beside the models' folders, never dropped for their room
 
 
 def default_cache_dir() -> Path:
@@ -140,7 +142,7 @@ class DiskCache:
         """
         folders = []
         for folder in self.root.iterdir() if self.root.is_dir() else ():
-            if folder.is_dir() and folder.name not in fingerprints:
+            if folder.is_dir() and folder.name not in fingerprints and folder.name not in NOT_MODEL_FOLDERS:
                 files = [f.stat() for f in folder.iterdir() if f.is_file()]
                 folders.append((max((f.st_mtime for f in files), default=0.0), sum(f.st_size for f in files), folder))
         foreign = sum(size for _, size, _ in folders)

@@ -31,6 +31,7 @@ from ..front.handlers import DAEMON_VERSION, Handlers
 from ..front.http_options import HttpSettings
 from ..front.listener import bind_unix_socket, check_socket_path
 from ..front.peer_auth import PeerPolicy
+from ..persist.cache_dir import RESPONSES_FOLDER
 from ..persist.persistence import DiskCacheSettings, Persistence
 from .socket_activation import take_inherited_socket
 from .systemd import Notifier, watchdog_interval
@@ -241,6 +242,7 @@ class DaemonServer:
             self.http_front = await start_http_front(
                 self.handlers, host=http.host, port=http.port, unix_path=http.unix_path, token=http.token,
                 peer_policy=self.peer_policy, shutdown_timeout=self.settings.grace_seconds,
+                responses_dir=self.settings.disk_cache.directory / RESPONSES_FOLDER if self.settings.disk_cache else None,
             )
         except BaseException:
             self._remove_socket()
