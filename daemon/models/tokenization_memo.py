@@ -38,6 +38,7 @@ class _Entry:
     starts: list[int]
     ends: list[int]
     cuts: list[int]  # token indices of special tokens, ascending: where a later text may be cut
+    answer_end: bool = False  # ends where a model's answer ended (extend): a cut too, before a special token
 
 
 class TokenizationMemo:
@@ -61,7 +62,7 @@ class TokenizationMemo:
         if base is None:
             ids, starts, ends = self._tokenize(text)
         else:
-            cut = base.starts[num_tokens]
+            cut = base.starts[num_tokens] if num_tokens < len(base.ids) else len(base.text)
             tail_ids, tail_starts, tail_ends = self._tokenize(text[cut:])
             ids = base.ids[:num_tokens] + tail_ids
             starts = base.starts[:num_tokens] + [s + cut for s in tail_starts]
@@ -83,7 +84,7 @@ class TokenizationMemo:
             return False
         cut = len(text)
         self._remember(text + more_text, base.ids + list(more_ids), base.starts + [s + cut for s in more_starts],
-                       base.ends + [e + cut for e in more_ends], 0)
+                       base.ends + [e + cut for e in more_ends], 0, answer_end=True)
         return True
 
     def _best_base(self, text: str) -> tuple[_Entry | None, int]:
@@ -92,9 +93,17 @@ class TokenizationMemo:
         for entry in self._entries.values():
             agree = common_prefix_length(entry.text, text)
             num_tokens = self._tokens_before(entry, agree)
+            if entry.answer_end and agree == len(entry.text) and self._special_at(text, agree):
+                # The template closes the answer with a special token (<|im_end|>), which the tokenizer splits
+                # on first: every answer token is kept, even where no special token of its own ends it (a
+                # forced call's markup written as text, ended by the grammar rather than by the model's EOS).
+                num_tokens = len(entry.ids)
             if num_tokens > best_tokens:
                 best, best_tokens = entry, num_tokens
         return best, best_tokens
+
+    def _special_at(self, text: str, position: int) -> bool:
+        return any(text.startswith(special, position) for special in self._special_tokens.values())
 
     @staticmethod
     def _tokens_before(entry: _Entry, agree: int) -> int:
@@ -102,7 +111,8 @@ class TokenizationMemo:
         position = bisect.bisect_right([entry.ends[i] for i in entry.cuts], agree)
         return entry.cuts[position - 1] if position else 0
 
-    def _remember(self, text: str, ids: list[int], starts: list[int], ends: list[int], reused: int) -> None:
+    def _remember(self, text: str, ids: list[int], starts: list[int], ends: list[int], reused: int,
+                  answer_end: bool = False) -> None:
         if len(text) > MAX_TEXT_CHARS:
             return
         # Only where the special token's own text stands in the text: an unknown
@@ -111,7 +121,7 @@ class TokenizationMemo:
         cuts = [i for i, token in enumerate(ids) if token in special and special[token] in text[starts[i]:ends[i]]]
         with self._lock:
             self.reused_tokens += reused
-            self._entries[text] = _Entry(text, ids, starts, ends, cuts)
+            self._entries[text] = _Entry(text, ids, starts, ends, cuts, answer_end)
             self._entries.move_to_end(text)
             while len(self._entries) > MAX_ENTRIES:
                 self._entries.popitem(last=False)

@@ -136,3 +136,20 @@ def test_an_answer_extended_in_is_given_back_with_the_tokens_the_model_chose():
     assert ids[:len(prompt_ids) + len(answer)] == prompt_ids + answer_ids[:-1]
     assert ids[len(prompt_ids) + len(answer):] == fresh(tok, next_turn[len(prompt) + len(answer):])[0]
     assert not memo.extend("a text never encoded", "x", [1], [0], [1])  # nothing to extend: refused
+
+
+def test_an_answer_ended_by_a_grammar_is_kept_whole_where_the_template_closes_it_with_a_special_token():
+    tok = byte_level_bpe()
+    memo = memo_for(tok)
+    prompt = chatml([("user", "call a tool")])
+    prompt_ids, _ = memo.encode(prompt)
+    answer = '<tool_call>\n{"name": "main"}\n</tool_call>'  # a forced call as text: no special token ends it
+    answer_ids = [tok.encode(c, add_special_tokens=False).ids[0] for c in answer]
+    assert answer_ids != fresh(tok, answer)[0]
+    assert memo.extend(prompt, answer, answer_ids, list(range(len(answer))), list(range(1, len(answer) + 1)))
+    next_turn = prompt + answer + "<|im_end|>\n<|im_start|>user\nit returned 0<|im_end|>\n<|im_start|>assistant\n"
+    ids, _ = memo.encode(next_turn)
+    assert ids[:len(prompt_ids) + len(answer_ids)] == prompt_ids + answer_ids
+    assert ids[len(prompt_ids) + len(answer_ids):] == fresh(tok, next_turn[len(prompt) + len(answer):])[0]
+    went_on = prompt + answer + " and more text<|im_end|>\n"  # no special token right after the answer: no cut there
+    assert memo.encode(went_on) == fresh(tok, went_on)
