@@ -24,7 +24,7 @@ from ..models.names import model_not_found
 from .connection import Connection
 from .event_mailbox import EventMailbox
 from .prompt_intake import PromptIntake
-from .tool_calls import ToolCallReader, ToolCalls
+from .tool_calls import ToolCallReader, ToolCalls, with_tools_path
 
 # (model fingerprint, prompt tokens) -> returns once what the disk cache holds of that prompt is in memory
 Prefetch = Callable[[str, list[int]], Awaitable[None]]
@@ -191,6 +191,7 @@ class Handlers:
                     if reader is not None:
                         payload = reader.finish(payload, on_chunk)
                         await self.tool_calls.remember_answer(card, job, payload)
+                    payload = with_tools_path(payload, job.encoded)
                     self._log_request(client_id, job, payload)
                     self._observe(job, payload)
                     return payload

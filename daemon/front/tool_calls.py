@@ -7,7 +7,8 @@ forced-call grammar in the model's own tool-call format
 (grammar/tool_call_grammar.py), its markers written as the special tokens
 they are in the model's added vocabulary; it compiles on the engine's grammar
 threads like any constraint. Coming back, the answer's text is read with the
-model's format (models/tool_call_format.py): streamed chunks carry text outside
+model's format (models/tool_call_format.py; Hermes for a model on prefixd's
+generic tool section, models/generic_tools.py): streamed chunks carry text outside
 the calls and each call once it is whole, never the call markup; the reply
 gets ``tool_calls`` and finish reason "tool_calls". ``tool_choice`` "none"
 leaves the answer as text.
@@ -27,7 +28,9 @@ from ...protocol.tools import FINISH_TOOL_CALLS, NONE
 from ..engine.jobs import GenerateJob
 from ..grammar import forced_tool_call
 from ..models.loaded_model import ModelCard
-from ..models.tool_call_format import ToolCall, ToolCallFormat, tool_call_format
+from ..models.generic_tools import call_format
+from ..models.prompt_encoding import EncodedPrompt
+from ..models.tool_call_format import ToolCall, ToolCallFormat
 from ..models.tool_call_stream import ToolCallStream
 from .prompt_intake import PromptIntake
 
@@ -101,7 +104,14 @@ def read_model_tools(card: ModelCard) -> ModelTools:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # an mlx-lm TokenizerWrapper: the Hugging Face tokenizer inside
     decoder = getattr(hf, "added_tokens_decoder", None) or {}
     # llguidance takes every added token as a special one, written <name> in a grammar.
-    return ModelTools(tool_call_format(tokenizer), frozenset(added.content for added in decoder.values()))
+    return ModelTools(call_format(tokenizer), frozenset(added.content for added in decoder.values()))
+
+
+def with_tools_path(result: dict[str, Any], encoded: EncodedPrompt | None) -> dict[str, Any]:
+    """The reply's cache map says how a chat's tools went into the prompt: ``tools`` "template" or "generic"."""
+    if encoded is None or encoded.tools is None:
+        return result
+    return {**result, "cache": {**result["cache"], "tools": encoded.tools}}
 
 
 class ToolCallReader:

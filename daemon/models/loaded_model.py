@@ -21,6 +21,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from ...protocol.methods import PromptInput
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
 from . import short_conv, tail_attention
+from .generic_tools import tools_path
 from .prompt_encoding import EncodedPrompt, PromptEncoder
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 20
@@ -85,6 +86,7 @@ def model_description(model: Any, default: bool, attention: str | None) -> dict[
         "dtype": model.dtype,
         "cache_layers": model.layout.describe(),
         "attention": attention,  # None until it loads (tail_attention.py chooses then)
+        "tools": tools_path(model.tokenizer),  # its template's own tool section, prefixd's generic one, or none
     }
 
 

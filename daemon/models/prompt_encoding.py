@@ -16,6 +16,7 @@ from typing import Any
 from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import PromptInput
 from ..common_prefix import common_prefix_length
+from . import generic_tools
 from .tokenization_memo import TokenizationMemo
 
 
@@ -34,6 +35,7 @@ class EncodedPrompt:
     text: str | None = None
     message_spans: tuple[MessageSpan, ...] = ()
     encode_seconds: float = 0.0  # templating and tokenizing, for the reply's timings
+    tools: str | None = None  # a chat with tools: how they went in ("template" or "generic", generic_tools.py)
 
     def message_at(self, token_index: int) -> MessageSpan | None:
         """The message whose tokens include ``token_index`` (chat prompts only).
@@ -73,6 +75,7 @@ class PromptEncoder:
         self.context_length = context_length
         self._max_token_chars: int | None = None
         self._min_tokens_per_message: int | None = None
+        self._tools_path: str | None = None
         self._memo = self._make_memo()
 
     def _make_memo(self) -> TokenizationMemo | None:
@@ -205,12 +208,16 @@ class PromptEncoder:
 
     def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                         tools: tuple[dict[str, Any], ...] | None = None) -> str:
-        """The chat as the model's template writes it; ``tools`` fill the template's tools section."""
+        """The chat as the model's template writes it; ``tools`` fill the template's tools section.
+
+        A template with no place for tools gets prefixd's generic tool
+        section instead, and the chat's calls and results as plain messages
+        (generic_tools.py).
+        """
         if not self.tokenizer.has_chat_template:
             raise RpcError(ErrorCode.INVALID_PARAMS, f"model {self.model_name} has no chat template; send 'prompt' text instead")
-        if tools and not self.supports_tools:
-            raise RpcError(ErrorCode.INVALID_PARAMS, f"model {self.model_name}'s chat template has no place for 'tools' "
-                                                     "(it never reads them), so the model would not see them")
+        if self.tools_path == generic_tools.GENERIC:
+            messages, tools = generic_tools.generic_messages(messages, tools), None
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=list(tools) if tools else None
@@ -219,10 +226,11 @@ class PromptEncoder:
             raise RpcError(ErrorCode.INVALID_PARAMS, f"the chat template rejected the messages: {exc}") from None
 
     @property
-    def supports_tools(self) -> bool:
-        """The chat template reads ``tools`` (a template that never names them would drop them silently)."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        return isinstance(template, str) and "tools" in template
+    def tools_path(self) -> str:
+        """How this model takes tools: through its template, prefixd's generic section, or not at all (no template)."""
+        if self._tools_path is None:
+            self._tools_path = generic_tools.tools_path(self.tokenizer)
+        return self._tools_path
 
     def _encode_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                          tools: tuple[dict[str, Any], ...] | None = None) -> EncodedPrompt:
@@ -231,7 +239,7 @@ class PromptEncoder:
         ends = self._message_ends(messages, text, tools)
         spans = tuple(MessageSpan(index, messages[index]["role"], bisect.bisect_right(token_ends, end))
                       for index, end in ends)
-        return EncodedPrompt(token_ids, text, spans)
+        return EncodedPrompt(token_ids, text, spans, tools=self.tools_path if tools else None)
 
     def _message_ends(self, messages: list[dict[str, Any]], text: str,
                       tools: tuple[dict[str, Any], ...] | None = None) -> list[tuple[int, int]]:

@@ -6,7 +6,9 @@ mlx-lm infers it at load (``TokenizerWrapper.tool_parser``, ``tool_call_start``
 and ``tool_call_end``, from the template or ``tool_parser_type`` in
 tokenizer_config.json): Hermes/Qwen ``<tool_call>{json}</tool_call>``
 (``json_tools``), Mistral ``[TOOL_CALLS]...`` (``mistral``), Gemma 4, Kimi,
-GLM and others; prefixd reuses its parsers. Llama 3.1-3.3 write a bare JSON
+GLM and others; prefixd reuses its parsers. A model whose template has no
+tools gets prefixd's generic tool section (generic_tools.py), in the Hermes
+format, read by ``parse_hermes_json``. Llama 3.1-3.3 write a bare JSON
 object ``{"name": ..., "parameters": ...}`` (optionally after
 ``<|python_tag|>``), which mlx-lm does not parse; ``llama3_json`` here does.
 Pure Python, no MLX.
@@ -102,6 +104,12 @@ def _mlx_lm_parser(parse_tool_call: Callable[..., Any]) -> Callable[[str], list[
         return [_call(item.get("name"), item.get("arguments"), item.get("id")) for item in
                 (parsed if isinstance(parsed, list) else [parsed])]
     return parse
+
+
+def parse_hermes_json(text: str) -> list[ToolCall]:
+    """``{"name": ..., "arguments": {...}}``, the text between Hermes' <tool_call> markers (prefixd's generic tool section)."""
+    parsed = json.loads(text)
+    return [_call(parsed.get("name"), parsed.get("arguments"), None)]
 
 
 def parse_llama3_json(text: str) -> list[ToolCall]:

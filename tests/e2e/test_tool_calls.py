@@ -4,7 +4,8 @@ The model is the random tiny llama with a Hermes tools template
 (tests/support/tiny_models.py, llama-tools): constrained decoding makes it
 write a valid call when ``tool_choice`` forces one, which tests the parser end
 to end. A ``constraint`` that writes a call with text before it stands in for
-a model that chooses to call under "auto".
+a model that chooses to call under "auto". The plain tiny llama, whose ChatML
+template has no tools, takes them through prefixd's generic tool section.
 """
 
 from __future__ import annotations
@@ -118,6 +119,44 @@ def test_an_agent_loop_reuses_the_whole_previous_context(client):
 def test_what_cannot_be_honoured_is_refused(client):
     with pytest.raises(PrefixdError, match="cannot go with 'constraint'"):
         client.generate(messages=chat("x"), tools=TOOLS, tool_choice="required", constraint={"json_object": True})
-    with pytest.raises(PrefixdError, match="no place for 'tools'"):  # the plain tiny llama's template has none
-        client.generate(model="llama", messages=chat("x"), tools=TOOLS, tool_choice="required")
     assert client.generate(messages=chat("Still serving?"), max_tokens=4)["finish_reason"] in ("stop", "length")
+
+
+# -- a model whose template has no tools: prefixd's generic tool section (models/generic_tools.py) --------------
+
+
+def test_models_say_which_path_each_model_takes_tools_by(client):
+    paths = {model["name"]: model["tools"] for model in client.models()["models"]}
+    assert paths == {"llama-tools": "template", "llama": "generic"}
+
+
+def test_a_model_without_tools_in_its_template_takes_tools_through_the_generic_section(client):
+    system = [{"role": "system", "content": "You are a coding agent."}]
+    free = client.generate(model="llama", messages=system + chat("Hello?"), tools=TOOLS, max_tokens=4)
+    assert free["finish_reason"] in ("stop", "length") and free["cache"]["tools"] == "generic"
+    native = client.generate(messages=chat("Hello?"), tools=TOOLS, max_tokens=4)
+    assert native["cache"]["tools"] == "template"
+    assert "tools" not in client.generate(model="llama", messages=chat("Hello?"), max_tokens=2)["cache"]
+    named = client.generate(model="llama", messages=chat("Weather in Oslo?"), tools=TOOLS, max_tokens=100,
+                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named["finish_reason"] == "tool_calls" and named["text"] == ""
+    (call,) = named["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    check_weather_arguments(json.loads(call["function"]["arguments"]))
+    with client.stream(model="llama", messages=chat("Any tool"), tools=TOOLS, max_tokens=100,
+                       tool_choice="required") as running:
+        chunks = list(running)
+    assert not any("tool_call>" in chunk["text"] for chunk in chunks)
+    assert [c["function"]["name"] for chunk in chunks for c in chunk.get("tool_calls", [])] in (["get_weather"], ["get_time"])
+
+
+def test_an_agent_loop_on_the_generic_section_reuses_the_whole_previous_turn(client):
+    messages = [{"role": "system", "content": "You are an agent with tools."}] + chat("Weather in Rome this week?")
+    first = client.generate(model="llama", messages=messages, tools=TOOLS, max_tokens=100, tool_choice="required")
+    (call,) = first["tool_calls"]
+    messages += [{"role": "assistant", "content": first["text"], "tool_calls": first["tool_calls"]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "clear", "high_c": 21}'}]
+    second = client.generate(model="llama", messages=messages, tools=TOOLS, max_tokens=8)
+    previous = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert second["cache"]["reused_tokens"] >= previous, second["cache"]
+    assert second["cache"]["checkpoint"] == "answer-end" and second["cache"]["tools"] == "generic"
