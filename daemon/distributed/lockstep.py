@@ -118,9 +118,10 @@ class LockstepEngine(Engine):
             return False
         return bool(self.channel.agree(int(decision)))
 
-    def load_one_model(self, spec: str) -> LoadedModel:
+    def load_one_model(self, spec: str, chat_template: str | None = None) -> LoadedModel:
         return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention,
-                          load_weights=make_sharded_loader(self.channel.group, self.distributed.parallel))
+                          load_weights=make_sharded_loader(self.channel.group, self.distributed.parallel),
+                          chat_template=chat_template)
 
     def store_clock(self) -> float:
         return self._clock

@@ -341,7 +341,8 @@ class Engine:
         self._warms_up = warm_up_wanted(self.settings.warm_up, on_gpu) and type(self).load_one_model is Engine.load_one_model
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         # Every model is described (tokenizer, layout, size: no weights read); only the default one loads now.
-        self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs)
+        self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs,
+                                       self.settings.chat_templates)
         self.cards = {name: entry.card for name, entry in self.catalog.items()}
         self.model_names = tuple(self.catalog)
         self.default_model = self.model_names[0] if self.model_names else None
@@ -372,7 +373,7 @@ class Engine:
 
     def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
         """Load a configured model's weights whole (at start, or when asked to). Engine thread."""
-        loaded = self.load_one_model(entry.spec)
+        loaded = self.load_one_model(entry.spec, entry.chat_template)
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
 
@@ -380,7 +381,7 @@ class Engine:
         """Load a request's model a step per engine iteration (models/staged_load.py). Engine thread."""
         started = time.perf_counter()
         loaded = yield from load_in_steps(entry.spec, entry.path, self.settings.dtype, self.settings.attention,
-                                          self._tokenizer_pool)
+                                          self._tokenizer_pool, chat_template=entry.chat_template)
         warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
         return self._adopt(loaded, entry, warm_up_seconds)
@@ -426,9 +427,9 @@ class Engine:
         self.scheduler.shadow.drop_model(loaded, "its model was unloaded")
         mx.clear_cache()  # hand the freed buffers back rather than keep them for reuse
 
-    def load_one_model(self, spec: str) -> LoadedModel:
+    def load_one_model(self, spec: str, chat_template: str | None = None) -> LoadedModel:
         """One model, whole. Ranks of a distributed daemon each load their shard (distributed/lockstep.py)."""
-        return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention)
+        return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention, chat_template=chat_template)
 
     def store_clock(self) -> float:
         """The prefix store's clock (its recency order). Ranks in lock-step all read rank 0's."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.chat_template_file import ChatTemplateFile
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -23,6 +25,7 @@ class EngineSettings:
     keep_alive_s: float = -1.0  # an idle model stays loaded this long (negative: for good); requests may say otherwise
     max_model_bytes: int = 0  # loaded models' weights together; 0: no limit (engine/model_residency.py)
     found_model_specs: tuple[str, ...] = ()  # found in --models-dir: served after model_specs, skipped if unservable
+    chat_templates: tuple[ChatTemplateFile, ...] = ()  # --chat-template: read at start, each replacing a model's own
 
 
 CPU_PREFILL_CHUNK = 512

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_tokenizer
 
 from ...protocol.methods import PromptInput
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
@@ -91,13 +92,17 @@ def model_description(model: Any, default: bool, attention: str | None) -> dict[
 
 
 def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto",
-               load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load, conv: str = "auto") -> LoadedModel:
+               load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load, conv: str = "auto",
+               chat_template: str | None = None) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
     ``attention``: how short multi-token passes attend (tail_attention.py).
     ``conv``: the form of a hybrid model's short convolutions (short_conv.py).
     ``load_weights``: path -> (model, tokenizer); ranks of a distributed daemon
     each load their shard (distributed/sharded_loading.py).
+    ``chat_template``: a template replacing the model's own (--chat-template,
+    chat_template_file.py); a tokenizer from ``load_weights`` without it is
+    loaded again with it.
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
@@ -105,8 +110,10 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
     if dtype != "auto":
         model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
-    load_seconds = time.perf_counter() - started
     config = json.loads((path / "config.json").read_text())
+    if chat_template is not None and getattr(tokenizer, "chat_template", None) != chat_template:
+        tokenizer = load_tokenizer(path, tokenizer_extra(chat_template), eos_token_ids=config.get("eos_token_id"))
+    load_seconds = time.perf_counter() - started
     context_length = _context_length(config)
     weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
     first_param = next(v for _, v in _flatten(model.parameters()))
@@ -133,6 +140,11 @@ def load_model(spec: str, name: str | None = None, dtype: str = "auto", attentio
         attention=attention,
         short_conv=conv,
     )
+
+
+def tokenizer_extra(chat_template: str | None) -> dict[str, Any] | None:
+    """mlx-lm's ``tokenizer_config_extra`` that makes a tokenizer load with ``chat_template`` as its template."""
+    return {"chat_template": chat_template} if chat_template is not None else None
 
 
 class UnsupportedModelError(ValueError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import mlx.core as mx
 import structlog
@@ -26,7 +26,10 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from ..kv.layout import CacheLayout, make_cache_layout
-from .loaded_model import ModelCard, _context_length, model_description, model_fingerprint, refuse_unbatchable, resolve_model_path
+from .chat_template_file import ChatTemplateError, ChatTemplateFile, check_all_used, check_renders, template_for
+from .generic_tools import tools_path
+from .loaded_model import (ModelCard, _context_length, model_description, model_fingerprint, refuse_unbatchable,
+                           resolve_model_path, tokenizer_extra)
 from .prompt_encoding import PromptEncoder
 
 log = structlog.get_logger("prefixd.models")
@@ -47,37 +50,46 @@ class CatalogEntry:
     tokenizer: Any  # mlx_lm TokenizerWrapper: what the grammar compiler reads
     eos_token_ids: frozenset[int]
     card: ModelCard  # what the fronts read
+    chat_template: str | None = None  # --chat-template's text, replacing the model's own (chat_template_file.py)
 
     def describe(self, default: bool) -> dict[str, Any]:
         """The same keys as LoadedModel.describe, for a model that is not loaded now."""
         return model_description(self, default, None)
 
 
-def describe_models(specs: Iterable[str], dtype: str, found_specs: Iterable[str] = ()) -> dict[str, CatalogEntry]:
+def describe_models(specs: Iterable[str], dtype: str, found_specs: Iterable[str] = (),
+                    chat_templates: Iterable[ChatTemplateFile] = ()) -> dict[str, CatalogEntry]:
     """Every configured model by name, in order (a repeated name gets a ``-N`` suffix, as before).
 
     ``specs`` (``--model``) must all be servable: the first that is not raises.
     ``found_specs`` (found in ``--models-dir``) come after them; one that is
     not servable is logged and passed over, and one already among ``specs``
-    (the same directory) is not listed twice.
+    (the same directory) is not listed twice. ``chat_templates``
+    (``--chat-template``) replace their models' own; one that names no model
+    or does not render raises ChatTemplateError.
     """
+    templates = {file.model: file for file in chat_templates}
     entries: dict[str, CatalogEntry] = {}
     for spec in specs:
-        entry = describe_model(spec, dtype, taken=entries)
+        entry = describe_model(spec, dtype, taken=entries, templates=templates)
         entries[entry.name] = entry
     for spec in found_specs:
         if any(entry.path == Path(spec).resolve() for entry in entries.values()):
             continue
         try:
-            entry = describe_model(spec, dtype, taken=entries)
+            entry = describe_model(spec, dtype, taken=entries, templates=templates)
+        except ChatTemplateError:
+            raise  # the user's template for it, not the model, is what is wrong
         except Exception as exc:  # a folder of models may hold one the engine cannot serve: the others still are
             log.warning("model_skipped", path=spec, error=f"{type(exc).__name__}: {exc}")
             continue
         entries[entry.name] = entry
+    check_all_used(templates, entries)
     return entries
 
 
-def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None) -> CatalogEntry:
+def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None,
+                   templates: Mapping[str, ChatTemplateFile] | None = None) -> CatalogEntry:
     """Raises what load_model would for a missing directory or a model the engine cannot batch."""
     path = resolve_model_path(spec)
     model, config = mlx_lm_load_model(path, lazy=True)
@@ -85,10 +97,15 @@ def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None) -
     if dtype != "auto":
         model.set_dtype(getattr(mx, dtype))  # lazy too: only the dtype the arrays will have is read below
     params = [value for _, value in tree_flatten(model.parameters())]
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     name = path.name
     if taken and name in taken:
         name = f"{name}-{len(taken)}"
+    template = template_for(templates or {}, name, is_default=not taken)
+    chat_template = template.source if template is not None else None
+    tokenizer = load_tokenizer(path, tokenizer_extra(chat_template), eos_token_ids=config.get("eos_token_id"))
+    if template is not None:
+        check_renders(tokenizer, template, name)
+        log.info("chat_template_replaced", model=name, file=str(template.path), tools=tools_path(tokenizer))
     context_length = _context_length(config)
     fingerprint = model_fingerprint(path, tokenizer, str(params[0].dtype))
     encoder = PromptEncoder(tokenizer, name, context_length)
@@ -104,5 +121,6 @@ def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None) -
         tokenizer=tokenizer,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         card=ModelCard(name, fingerprint, context_length, encoder),
+        chat_template=chat_template,
     )
 

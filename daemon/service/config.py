@@ -169,6 +169,7 @@ OPTIONS: dict[str, Option] = {
     for option in (
         Option("model", list_of(text), [], "required: model directories or cached Hugging Face ids"),
         Option("models_dir", path, None, "off; every model directory in it is served too, loaded on first use"),
+        Option("chat_template", list_of(text), [], "each model's own; FILE replaces the default model's, NAME=FILE model NAME's"),
         Option("socket", path, None, "$XDG_RUNTIME_DIR/prefixd/prefixd.sock, else /tmp/prefixd-$UID/ (macOS: ~/Library/Caches/prefixd/)"),
         Option("dtype", choice("auto", "float32", "float16", "bfloat16"), "auto"),
         Option("cache_bytes", parse_size, None, "a quarter of RAM, at most 8G"),

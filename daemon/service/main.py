@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..front import http_options
 from ..models.blas import preload_blas
+from ..models.chat_template_file import ChatTemplateError, read_chat_templates
 from ..models.model_dirs import find_model_dirs
 from ..models.mlx_runtime_env import apply_daemon_defaults
 from .config import ConfigError, explicit_flags, load_config
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", action="append", help="MLX model directory or a locally cached Hugging Face id; repeat to load several (the first is the default); required here, in $PREFIXD_MODEL or in the config file")
     parser.add_argument("--models-dir", type=Path, help="serve every model directory in this folder too (after the --model "
                         "ones; the first --model, else the folder's first by name, is the default), each loaded on first use")
+    parser.add_argument("--chat-template", action="append", metavar="[NAME=]FILE", help="a Jinja chat template file "
+                        "replacing a model's own: FILE for the default model, NAME=FILE for the model of that name (as "
+                        "`prefixd models` lists it); repeat for several models. A template that reads tools takes them "
+                        "natively; a model whose template does not gets prefixd's generic tool section")
     parser.add_argument("--socket", type=Path, help=f"Unix socket path (default: $PREFIXD_SOCKET or {default_socket_path()})")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="cast unquantized weights (default auto: float32 on a Linux CPU, where it is the fast path)")
     parser.add_argument("--cache-bytes", type=parse_size, help="prefix-cache budget (default: a quarter of RAM, at most 8G)")
@@ -120,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f"no model directory in {args.models_dir}; " if args.models_dir is not None else ""
         print(f"prefixd: no model to serve: {where}pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
         return 2
+    try:
+        chat_templates = read_chat_templates(args.chat_template)
+    except ChatTemplateError as exc:
+        print(f"prefixd: {exc} (chat_template, from {config.sources['chat_template']})", file=sys.stderr)
+        return 2
     from ..distributed.settings import DistributedStartError, launcher_rank, started_by_launcher
 
     if args.ranks > 1 and not started_by_launcher():
@@ -151,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = EngineSettings(
         model_specs=tuple(args.model),
         found_model_specs=tuple(found_models),
+        chat_templates=chat_templates,
         dtype=resolve_dtype(args.dtype),
         prefill_chunk=args.prefill_chunk,
         cache_bytes=cache_bytes,
@@ -198,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     except SocketInUse as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError, DistributedStartError) as exc:  # a missing model, a busy --http port, a slow load
+    # A missing model, a busy --http port, a slow load, a --chat-template that does not render.
+    except (OSError, TimeoutError, DistributedStartError, ChatTemplateError) as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
         return 1
     exit_now(code)

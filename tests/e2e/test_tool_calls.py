@@ -19,6 +19,7 @@ from prefixd.client.errors import PrefixdError
 from prefixd.daemon.grammar import forced_tool_call
 from prefixd.daemon.models.tool_call_format import ToolCallFormat
 from tests.e2e.daemon_process import DaemonProcess
+from tests.support.tiny_models import HERMES_TOOLS_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -160,3 +161,24 @@ def test_an_agent_loop_on_the_generic_section_reuses_the_whole_previous_turn(cli
     previous = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     assert second["cache"]["reused_tokens"] >= previous, second["cache"]
     assert second["cache"]["checkpoint"] == "answer-end" and second["cache"]["tools"] == "generic"
+
+
+def test_chat_template_gives_a_model_a_template_that_reads_tools(tiny_llama_dir, tmp_path):
+    template = tmp_path / "hermes.jinja"
+    template.write_text(HERMES_TOOLS_TEMPLATE)
+    with DaemonProcess([tiny_llama_dir], tmp_path / "d", ["--chat-template", f"llama={template}"]) as running, \
+            Client(running.socket_path, timeout=120) as templated:
+        (model,) = templated.models()["models"]
+        assert model["tools"] == "template"
+        reply = templated.generate(messages=chat("Weather in Oslo?"), tools=TOOLS, max_tokens=100, tool_choice="required")
+        assert reply["cache"]["tools"] == "template" and reply["finish_reason"] == "tool_calls"
+
+
+def test_a_chat_template_that_names_no_model_stops_the_daemon_at_start(tiny_llama_dir, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(HERMES_TOOLS_TEMPLATE)
+    daemon = DaemonProcess([tiny_llama_dir], tmp_path / "d", ["--chat-template", f"lama={template}"])
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        daemon.start()
+    daemon.stop()  # its socket's folder
+    assert f"--chat-template lama={template}: no model is named 'lama' (models: llama)" in daemon.log_tail()
