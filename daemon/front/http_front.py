@@ -42,7 +42,7 @@ from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, respo
 from . import openai_shapes as shapes
 from .handlers import Handlers
 from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
-from .http_options import is_loopback
+from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
 from .listener import SocketFile, bind_unix_socket
 from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
 from .response_store import ResponseStore
@@ -103,12 +103,14 @@ async def start_http_front(
     shutdown_timeout: float = 10.0,
     read_timeout: float = READ_TIMEOUT_SECONDS,
     responses_dir: Path | None = None,
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
 ) -> HttpFront:
     """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``.
 
     ``token``: the bearer token TCP requests must carry (None: none asked for).
     ``read_timeout``: seconds a request's head and body may take to arrive.
     ``responses_dir``: where stored Responses-API responses outlive a restart (None: in memory only).
+    ``max_output_tokens``: the answer length of a /v1/responses request that names none.
     """
     if host is None and unix_path is None:
         raise ValueError("give a host and port, a unix_path, or both")
@@ -129,6 +131,7 @@ async def start_http_front(
     app[HANDLERS_KEY] = handlers
     app[FRONT_KEY] = front
     app[responses_api.STORE_KEY] = store = ResponseStore(directory=responses_dir)
+    app[responses_api.MAX_OUTPUT_TOKENS_KEY] = max_output_tokens
     if responses_dir is not None:
         log.info("responses_loaded", num_responses=await asyncio.to_thread(store.load), directory=str(responses_dir))
     await front.runner.setup()

@@ -25,10 +25,14 @@ from pathlib import Path
 
 import structlog
 
+from ...protocol.methods import MAX_TOKENS_LIMIT
 from .listener import make_private_directories
 
 TOKEN_ENV = "PREFIXD_HTTP_TOKEN"
 TOKEN_FILE_NAME = "http-token"
+# The answer length of a /v1/responses request that names none. Agent clients (Codex, the Agents SDK) send
+# no max_output_tokens, and a tool call that writes a file must not be cut off by prefixd's usual 256.
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 log = structlog.get_logger("prefixd.http")
 
@@ -41,6 +45,7 @@ class HttpSettings:
     port: int | None = None
     unix_path: Path | None = None
     token: str | None = None
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # /v1/responses without max_output_tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--http-socket", metavar="PATH", type=Path, default=None, help="also serve the OpenAI-compatible HTTP API on this Unix socket (mode 0600; the peer's uid is checked, no token needed)")
     group.add_argument("--http-token-file", metavar="FILE", type=Path, default=None, help=f"bearer token required on every HTTP request over TCP (first line of FILE; or ${TOKEN_ENV}; default: made once in $XDG_CONFIG_HOME/prefixd/{TOKEN_FILE_NAME})")
     group.add_argument("--http-no-token", action="store_true", default=None, help="serve --http without a bearer token: any local user may then use the daemon over TCP (loopback only)")
+    group.add_argument("--max-output-tokens", metavar="N", type=int, default=None, help=f"answer length of a /v1/responses request that gives no max_output_tokens, as agent clients do (default {DEFAULT_MAX_OUTPUT_TOKENS}; cut to the room the context leaves)")
     group.add_argument("--allow-uid", metavar="UID", type=int, action="append", default=[], help="also accept socket clients running as this uid (repeatable; default: only the daemon's own uid)")
 
 
@@ -81,7 +87,10 @@ def http_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     elif host is not None and no_token:
         log.warning("http_without_token", address=args.http, reason="--http-no-token: any local user may use the daemon over TCP")
     unix_path = args.http_socket.expanduser() if args.http_socket is not None else None
-    return HttpSettings(host=host, port=port, unix_path=unix_path, token=token)
+    max_output_tokens = getattr(args, "max_output_tokens", None) or DEFAULT_MAX_OUTPUT_TOKENS
+    if not 1 <= max_output_tokens <= MAX_TOKENS_LIMIT:
+        raise ValueError(f"--max-output-tokens {max_output_tokens} must be between 1 and {MAX_TOKENS_LIMIT}")
+    return HttpSettings(host=host, port=port, unix_path=unix_path, token=token, max_output_tokens=max_output_tokens)
 
 
 # -- the default token file ------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .responses_shapes import ResponsesRequest, final_status, response_object, r
 
 log = structlog.get_logger("prefixd.http")
 STORE_KEY = web.AppKey("responses_store", ResponseStore)
+MAX_OUTPUT_TOKENS_KEY = web.AppKey("responses_max_output_tokens", int)  # when a request names none (--max-output-tokens)
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
@@ -67,7 +68,7 @@ async def _parsed(request: web.Request) -> tuple[ResponsesRequest, list[dict[str
         if found is None:
             return _not_found(previous, "previous_response_id")
         history = found
-    parsed = responses_request(body, history)
+    parsed = responses_request(body, history, request.app[MAX_OUTPUT_TOKENS_KEY])
     if parsed.notes:
         log.info("request_fields_left_out", api="responses", notes=parsed.notes)
     return parsed, history

@@ -9,9 +9,9 @@ named in ``prefixd_notes`` and the log, so agent clients such as Codex keep
 working; a field that would change the answer and is not honoured is a 400
 naming it (``background``, ``conversation``, ``prompt``, logprobs, ...).
 
-``max_output_tokens`` defaults to ``DEFAULT_MAX_OUTPUT_TOKENS`` (cut to the
-room the context leaves), not to prefixd's 256: an agent's tool call that
-writes a file must not be cut off by a default it never asked for.
+``max_output_tokens`` defaults to the daemon's ``--max-output-tokens`` (4096,
+cut to the room the context leaves), not to prefixd's 256: an agent's tool
+call that writes a file must not be cut off by a default it never asked for.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from ...protocol.tools import FINISH_TOOL_CALLS
 from .http_errors import invalid, reject_unknown
 from .openai_shapes import response_format_constraint
 from .responses_items import chat_messages, normalized_items
-
-DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 HONOURED_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
                    "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id",
@@ -66,8 +64,11 @@ class ResponsesRequest:
     notes: list[str] = field(default_factory=list)
 
 
-def responses_request(body: Any, history: list[dict[str, Any]]) -> ResponsesRequest:
-    """A /v1/responses body as a request; ``history`` the stored conversation before it (previous_response_id)."""
+def responses_request(body: Any, history: list[dict[str, Any]], default_max_output_tokens: int) -> ResponsesRequest:
+    """A /v1/responses body as a request; ``history`` the stored conversation before it (previous_response_id).
+
+    ``default_max_output_tokens``: the answer length when the body names none (the daemon's --max-output-tokens).
+    """
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     reject_unknown(body, HONOURED_FIELDS + LABEL_FIELDS + tuple(REFUSED_FIELDS))
@@ -84,7 +85,7 @@ def responses_request(body: Any, history: list[dict[str, Any]]) -> ResponsesRequ
     tools, namespaces = _function_tools(body.get("tools"), notes)
     generate: dict[str, Any] = {
         "messages": chat_messages(instructions, history + items),
-        "max_tokens": _max_output_tokens(body.get("max_output_tokens")),
+        "max_tokens": _max_output_tokens(body.get("max_output_tokens"), default_max_output_tokens),
         "stream": True,  # the front always reads the answer as it comes, streamed or not
     }
     if not generate["messages"]:
@@ -153,9 +154,9 @@ def _label_notes(body: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _max_output_tokens(value: Any) -> int:
+def _max_output_tokens(value: Any, default: int) -> int:
     if value is None:
-        return DEFAULT_MAX_OUTPUT_TOKENS
+        return default
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= m.MAX_TOKENS_LIMIT:
         raise invalid(f"'max_output_tokens' must be an integer between 1 and {m.MAX_TOKENS_LIMIT}", "max_output_tokens")
     return value

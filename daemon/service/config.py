@@ -196,6 +196,7 @@ OPTIONS: dict[str, Option] = {
         Option("http_socket", path, None, "off"),
         Option("http_token_file", path, None, "$PREFIXD_HTTP_TOKEN, else $XDG_CONFIG_HOME/prefixd/http-token (made once, mode 0600)"),
         Option("http_no_token", switch, False, "true: no bearer token on --http, so any local user may connect"),
+        Option("max_output_tokens", integer(1), 4096, "the answer length of a /v1/responses request that names none"),
         Option("allow_uid", list_of(integer(0)), []),
         Option("ranks", integer(1), 1, "N > 1: run N local ranks through mlx.launch (see README, Several processes)"),
         Option("distributed_backend", choice("any", "ring", "nccl", "jaccl", "mpi"), "any", "what mlx.launch set up"),
