@@ -45,6 +45,9 @@ class GenerateJob:
     # The tokens the model sampled (end token included), set on the engine thread before DONE is emitted:
     # the front encodes the next turn of a tool loop with them (PromptEncoder.remember_answer).
     answer_tokens: list[int] | None = None
+    # Set when the front ended the answer itself (a stop sequence it matches, an infill rule) and cancelled the rest:
+    # why. The engine ends such a job "cancelled"; Handlers.run_job reports it as a stop.
+    stopped_by_front: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     job_id: int = field(default_factory=lambda: next(_job_counter))

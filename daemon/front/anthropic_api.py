@@ -41,7 +41,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             async for chunk in job.chunks():
                 pieces.append(stops.feed(chunk["text"]))
                 if stops.matched is not None:
-                    job.stop_early()
+                    job.stop_early("stop_sequence")
             result = await job.result()
             return web.json_response(reply.message(result, "".join(pieces) + stops.flush(), stops.matched))
         stream = LazyStream(request, "text/event-stream", _named_event)
@@ -53,7 +53,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         async for chunk in job.chunks():
             text = stops.feed(chunk["text"])
             if stops.matched is not None:
-                job.stop_early()
+                job.stop_early("stop_sequence")
             if not stream.started:
                 await start(job.prompt_tokens() or 0)  # encoded before any chunk, so known here
             for event in reply.text_events(text) if text else []:

@@ -192,6 +192,8 @@ class Handlers:
                         payload = reader.finish(payload, on_chunk)
                         await self.tool_calls.remember_answer(card, job, payload)
                     payload = with_tools_path(payload, job.encoded)
+                    if job.stopped_by_front and payload["finish_reason"] == m.FINISH_CANCELLED:
+                        payload = {**payload, "finish_reason": m.FINISH_STOP}  # the front cut the answer: it is whole
                     self._log_request(client_id, job, payload)
                     self._observe(job, payload)
                     return payload
@@ -263,6 +265,7 @@ class Handlers:
             prompt_tokens=result["usage"]["prompt_tokens"],
             completion_tokens=result["usage"]["completion_tokens"],
             finish_reason=result["finish_reason"],
+            stopped_by_front=job.stopped_by_front,
             cache_hit=cache["hit"],
             reused_tokens=cache["reused_tokens"],
             prefilled_tokens=cache["prefilled_tokens"],

@@ -53,7 +53,8 @@ class RunningJob:
     leaving the block cancels it unless it is done (the client went away, or
     the endpoint stopped reading). ``stop_early()`` ends a job whose answer the
     front has cut itself (a stop sequence it matches, an infill indent rule):
-    the engine finishes it as cancelled and the front reports its own reason.
+    the engine finishes it as cancelled, the log and the metrics show a stop
+    with the front's reason, and the front's reply says why in its own terms.
     """
 
     def __init__(self, request: web.Request, params: m.GenerateParams, warm_only: bool = False):
@@ -84,9 +85,11 @@ class RunningJob:
         job = self._jobs.get(self._number)
         return len(job.encoded.tokens) if job is not None and job.encoded is not None else None
 
-    def stop_early(self) -> None:
+    def stop_early(self, reason: str) -> None:
+        """End the job: the front has the whole answer (``reason`` says why: the log and metrics show a stop)."""
         job = self._jobs.get(self._number)
-        if job is not None:
+        if job is not None and not job.cancelled.is_set():
+            job.stopped_by_front = reason
             self._handlers.engine.cancel(job)
 
 

@@ -75,7 +75,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
         async for chunk in job.chunks():
             pieces.append(cut.feed(chunk["text"]))
             if cut.cut:
-                job.stop_early()
+                job.stop_early(cut.cut_by)
         result = await job.result()
         return web.json_response(infill_reply(result, "".join(pieces), cut.cut, parsed))
 
@@ -87,7 +87,7 @@ async def _stream(request: web.Request, job: RunningJob, cut: AnswerCut, parsed:
         if text := cut.feed(chunk["text"]):
             await stream.send({"content": text, "stop": False})
         if cut.cut:
-            job.stop_early()
+            job.stop_early(cut.cut_by)
     if (result := await result_in_stream(job, stream, lambda err: {"error": {"message": err.message, "prefixd_code": err.code}})) is None:
         return stream.response
     await stream.send(infill_reply(result, "", cut.cut, parsed))

@@ -156,6 +156,7 @@ class AnswerCut:
         self.deadline_s = t_max_predict_ms / 1000.0
         self.text = ""
         self.cut = False
+        self.cut_by = ""  # the limit that cut the answer: "n_indent" or "t_max_predict_ms"
         self._started: float | None = None
         self._checked_to = 0  # where the next unchecked line begins
 
@@ -168,11 +169,11 @@ class AnswerCut:
         before = len(self.text)
         self.text += piece
         if self.n_indent > 0 and (end := self._indent_cut()) is not None:
-            self.cut = True
+            self.cut, self.cut_by = True, "n_indent"
             self.text = self.text[:end]
             return self.text[before:]
         if self.deadline_s > 0 and now - self._started > self.deadline_s and "\n" in self.text:
-            self.cut = True
+            self.cut, self.cut_by = True, "t_max_predict_ms"
         return piece
 
     def _indent_cut(self) -> int | None:
