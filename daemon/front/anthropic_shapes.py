@@ -2,13 +2,19 @@
 
 Pure data, no I/O (``anthropic_api`` runs it). Every request field is
 honoured, accepted where it cannot change the answer (named in
-``prefixd_notes``), or refused with a 400 naming it. Tools, tool choice and
+``prefixd_notes``; ``anthropic_fields`` decides, field by field), or refused
+with a 400 naming it. Tools, tool choice and
 tool blocks are translated in ``anthropic_tools``; a reply's tool calls are
 ``tool_use`` blocks (stop reason "tool_use"), streamed as a block each. ``usage`` splits the prompt as Anthropic does:
 ``input_tokens`` were computed for this request, ``cache_read_input_tokens``
 came from the prefix store (prefixd caches every prefix by itself, so it
 never reports ``cache_creation_input_tokens``); the full cache map rides
-along as ``prefixd_cache``.
+along as ``prefixd_cache``, with ``normalized`` naming what was taken out of
+the prompt before templating (``agent_prompts``: Claude Code's billing line).
+
+A ``system``-role message inside ``messages`` (Anthropic's mid-conversation
+system messages; Claude Code sends its list of agents and skills so) is a
+system message where it stands, as the model's template writes one.
 
 Stop sequences are matched here, in the front, not by the engine: Anthropic's
 reply names the sequence that ended it, which the engine's reply does not say.
@@ -19,20 +25,31 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ...protocol import methods as m
 from ...protocol.tools import FINISH_TOOL_CALLS
 from ..engine.stop_strings import StopStringMatcher
+from .anthropic_fields import hint_notes, output_constraint, system_message_notes
 from .anthropic_tools import CACHE_CONTROL_NOTE, assistant_message, generate_tool_fields, has_tool_blocks, user_messages
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
 MESSAGE_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                  "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control")
-COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control")
+                  "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control", "context_management",
+                  "output_config", "service_tier")
+COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "context_management",
+                "output_config")
 TEXT_BLOCK_FIELDS = ("type", "text", "cache_control", "citations")
+ROLES = ("user", "assistant", "system")
 _STOP_REASONS = {m.FINISH_STOP: "end_turn", m.FINISH_LENGTH: "max_tokens", FINISH_TOOL_CALLS: "tool_use"}
+
+# The top-level system prompt -> (it as the model should read it, the names of what was taken out): agent_prompts
+NormalizeSystem = Callable[[Any], tuple[Any, list[str]]]
+
+
+def _as_is(system: Any) -> tuple[Any, list[str]]:
+    return system, []
 
 
 @dataclass
@@ -41,12 +58,16 @@ class MessagesRequest:
     model: str
     stop_sequences: tuple[str, ...]
     notes: list[str] = field(default_factory=list)
+    normalized: list[str] = field(default_factory=list)  # what was taken out of the prompt (prefixd_cache.normalized)
+    system_in_messages: bool = False  # a system-role message inside 'messages'
 
 
-def messages_request(body: dict[str, Any], default_model: str) -> MessagesRequest:
+def messages_request(body: dict[str, Any], default_model: str, beta_header: str | None = None,
+                     normalize_system: NormalizeSystem = _as_is) -> MessagesRequest:
     reject_unknown(body, MESSAGE_FIELDS)
-    notes: list[str] = []
-    messages = prompt_messages(body, notes)
+    notes = hint_notes(body, beta_header)
+    normalized: list[str] = []
+    messages = prompt_messages(body, notes, normalize_system, normalized)
     tool_fields = generate_tool_fields(body, notes)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
@@ -64,14 +85,22 @@ def messages_request(body: dict[str, Any], default_model: str) -> MessagesReques
     for name in ("model", "temperature", "top_p"):
         if body.get(name) is not None:
             generate[name] = body[name]
+    if (constraint := output_constraint(body)) is not None:
+        generate["constraint"] = constraint
     notes += check_sampling_extras({"top_k": body.get("top_k")}, float(body.get("temperature") or 0.0))
     params = m.parse_generate(generate)
-    return MessagesRequest(params, params.model or default_model, tuple(stops), notes)
+    return MessagesRequest(params, params.model or default_model, tuple(stops), notes, normalized,
+                           any(message["role"] == "system" for message in messages[1:]))
 
 
-def prompt_messages(body: dict[str, Any], notes: list[str]) -> list[dict[str, Any]]:
-    """The chat as prefixd's messages: the system prompt first, then the turns (tool blocks as tool calls and results)."""
-    _refuse_thinking(body)
+def prompt_messages(body: dict[str, Any], notes: list[str], normalize_system: NormalizeSystem = _as_is,
+                    normalized: list[str] | None = None) -> list[dict[str, Any]]:
+    """The chat as prefixd's messages: the system prompt first, then the turns (tool blocks as tool calls and results).
+
+    ``normalize_system`` may take parts out of the top-level system prompt
+    (their names go to ``normalized``); system-role messages inside
+    ``messages`` stay where they are.
+    """
     if body.get("cache_control") is not None:  # the request-wide breakpoint of automatic caching
         notes.append(CACHE_CONTROL_NOTE)
     raw = body.get("messages")
@@ -79,31 +108,33 @@ def prompt_messages(body: dict[str, Any], notes: list[str]) -> list[dict[str, An
         raise invalid("'messages' must be a non-empty array of {role, content} objects", "messages")
     messages = []
     if body.get("system") is not None:
-        messages.append({"role": "system", "content": _text_of(body["system"], "system", notes)})
+        system, taken_out = normalize_system(body["system"])
+        if normalized is not None:
+            normalized += taken_out
+        if system or not taken_out:  # a system prompt that was only a billing line leaves none
+            messages.append({"role": "system", "content": _text_of(system, "system", notes)})
     for index, message in enumerate(raw):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object with 'role' and 'content'", "messages")
-        reject_unknown(message, ("role", "content"), where)
-        if message.get("role") not in ("user", "assistant"):
-            raise invalid(f"'{where}.role' must be \"user\" or \"assistant\"", f"{where}.role")
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"'{where}.role' must be \"user\", \"assistant\" or \"system\"", f"{where}.role")
+        reject_unknown(message, ("role", "content", "output_config") if role == "system" else ("role", "content"), where)
         content, text_of = message.get("content"), lambda blocks, place: _text_of(blocks, place, notes)
-        if has_tool_blocks(content) and message["role"] == "assistant":
+        if role == "system":
+            notes += system_message_notes(message, where)
+            messages.append({"role": "system", "content": text_of(content, f"{where}.content")})
+        elif has_tool_blocks(content) and role == "assistant":
             messages.append(assistant_message(content, f"{where}.content", text_of, notes))
         elif has_tool_blocks(content):
             messages += user_messages(content, f"{where}.content", text_of, notes)
         else:
-            messages.append({"role": message["role"], "content": text_of(content, f"{where}.content")})
+            messages.append({"role": role, "content": text_of(content, f"{where}.content")})
     if messages[-1]["role"] == "assistant":
         raise invalid("a last assistant message (prefilling the answer) is not supported yet; end with a user message",
                       f"messages[{len(raw) - 1}]")
     return messages
-
-
-def _refuse_thinking(body: dict[str, Any]) -> None:
-    thinking = body.get("thinking")
-    if thinking is not None and thinking != {"type": "disabled"}:
-        raise invalid("'thinking' is not supported (only {\"type\": \"disabled\"})", "thinking")
 
 
 def _text_of(content: Any, where: str, notes: list[str]) -> str:
@@ -157,10 +188,11 @@ class StopSequences:
 
 
 class MessagesReply:
-    def __init__(self, model: str, notes: list[str]):
+    def __init__(self, model: str, notes: list[str], normalized: list[str] | None = None):
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model
         self.notes = notes
+        self.normalized = normalized or []
         self._num_blocks = 0  # content blocks started so far in a streamed reply
         self._text_open = False  # the last one started is a text block not yet stopped
 
@@ -174,7 +206,8 @@ class MessagesReply:
                 "cache_read_input_tokens": cache["reused_tokens"], "cache_creation_input_tokens": 0}
 
     def _extras(self, result: dict[str, Any]) -> dict[str, Any]:
-        extras = {"prefixd_cache": result["cache"], "prefixd_timings": result["timings"]}
+        cache = {**result["cache"], "normalized": self.normalized} if self.normalized else result["cache"]
+        extras = {"prefixd_cache": cache, "prefixd_timings": result["timings"]}
         return {**extras, "prefixd_notes": self.notes} if self.notes else extras
 
     def message(self, result: dict[str, Any], text: str, matched: str | None) -> dict[str, Any]:

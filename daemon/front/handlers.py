@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import Counter
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -44,6 +45,8 @@ class Handlers:
         self.tool_calls = ToolCalls(self.intake)
         self.prefetch: Prefetch | None = None  # set by the server while the disk cache loads
         self.observers: list[JobObserver] = []  # told of every job's end, whichever front sent it
+        # Prompts the fronts normalised before templating, by what they took out (agent_prompts)
+        self.prompts_normalized: Counter[str] = Counter()
         self.started_at = time.time()
         self._draining: set[asyncio.Task] = set()  # log the end of jobs nobody waits for
         self._mailbox: EventMailbox | None = None  # engine events onto the loop, batched
@@ -97,7 +100,7 @@ class Handlers:
 
     async def stats(self, conn: Connection, msgid: int, params: dict) -> dict:
         stats = await self.engine.call(self.engine.controls.stats)
-        return {"uptime_s": round(time.time() - self.started_at, 3), **stats}
+        return {"uptime_s": round(time.time() - self.started_at, 3), **stats, "prompts_normalized": dict(self.prompts_normalized)}
 
     async def tokenize(self, conn: Connection, msgid: int, params: dict) -> dict:
         prompt, model = m.parse_prompt_request(params)

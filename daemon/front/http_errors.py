@@ -64,6 +64,30 @@ def from_rpc(err: RpcError) -> HttpError:
     return HttpError(status, err.message, kind, code, param, err.code)
 
 
+def anthropic_error(err: RpcError) -> HttpError:
+    """prefixd's error as Anthropic's API gives it.
+
+    A prompt too long is Anthropic's 400 ``prompt is too long: N tokens > M
+    maximum``, not a 413: Claude Code reads the two numbers out of that
+    sentence and says the prompt is too long, while it shows any 413 as
+    "Request too large (max 32MB)". M is what the prompt may hold: the
+    context less the one token the answer needs at least.
+    """
+    error = from_rpc(err)
+    data = err.data if isinstance(err.data, dict) else {}
+    if err.code != ErrorCode.PROMPT_TOO_LONG or not {"prompt_tokens", "context_length"} <= data.keys():
+        return error
+    size = f"at least {data['prompt_tokens']}" if "at least" in err.message else str(data["prompt_tokens"])
+    message = (f"prompt is too long: {size} tokens > {data['context_length'] - 1} maximum "
+               f"(a context of {data['context_length']} tokens, one kept for the answer)")
+    return HttpError(400, message, "invalid_request_error", "context_length_exceeded", None, err.code)
+
+
+def error_for_path(path: str, err: RpcError) -> HttpError:
+    """``err`` as the API that ``path`` belongs to answers it (statuses differ where its clients expect them to)."""
+    return anthropic_error(err) if path.startswith("/v1/messages") else from_rpc(err)
+
+
 def openai_body(error: HttpError) -> dict[str, Any]:
     body: dict[str, Any] = {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}
     if error.prefixd_code is not None:

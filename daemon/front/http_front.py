@@ -40,6 +40,7 @@ from ..engine.jobs import GenerateJob
 from ..models.names import model_not_found
 from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, responses_api
 from . import openai_shapes as shapes
+from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
 from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
 from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
@@ -104,6 +105,7 @@ async def start_http_front(
     read_timeout: float = READ_TIMEOUT_SECONDS,
     responses_dir: Path | None = None,
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    keep_billing_header: bool = False,
 ) -> HttpFront:
     """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``.
 
@@ -111,6 +113,7 @@ async def start_http_front(
     ``read_timeout``: seconds a request's head and body may take to arrive.
     ``responses_dir``: where stored Responses-API responses outlive a restart (None: in memory only).
     ``max_output_tokens``: the answer length of a /v1/responses request that names none.
+    ``keep_billing_header``: leave Claude Code's billing line in its prompts (agent_prompts).
     """
     if host is None and unix_path is None:
         raise ValueError("give a host and port, a unix_path, or both")
@@ -130,6 +133,7 @@ async def start_http_front(
     front = HttpFront(app, path, token, peer_policy or PeerPolicy(), shutdown_timeout)
     app[HANDLERS_KEY] = handlers
     app[FRONT_KEY] = front
+    app[anthropic_api.NORMALIZER_KEY] = PromptNormalizer(keep_billing_header, handlers.prompts_normalized)
     app[responses_api.STORE_KEY] = store = ResponseStore(directory=responses_dir)
     app[responses_api.MAX_OUTPUT_TOKENS_KEY] = max_output_tokens
     if responses_dir is not None:
@@ -253,7 +257,7 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
             deadline.stop()
         return await handler(request)
     except RpcError as err:
-        error = http_errors.from_rpc(err)
+        error = http_errors.error_for_path(request.path, err)
         return web.json_response(http_errors.body_for_path(request.path, error), status=error.status)
     except web.HTTPException as exc:  # aiohttp's own: 404 route, 405 method, 413 body size
         if exc.status < 400:

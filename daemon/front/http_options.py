@@ -46,6 +46,7 @@ class HttpSettings:
     unix_path: Path | None = None
     token: str | None = None
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # /v1/responses without max_output_tokens
+    keep_billing_header: bool = False  # Claude Code's billing line stays in the prompt (agent_prompts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--http-token-file", metavar="FILE", type=Path, default=None, help=f"bearer token required on every HTTP request over TCP (first line of FILE; or ${TOKEN_ENV}; default: made once in $XDG_CONFIG_HOME/prefixd/{TOKEN_FILE_NAME})")
     group.add_argument("--http-no-token", action="store_true", default=None, help="serve --http without a bearer token: any local user may then use the daemon over TCP (loopback only)")
     group.add_argument("--max-output-tokens", metavar="N", type=int, default=None, help=f"answer length of a /v1/responses request that gives no max_output_tokens, as agent clients do (default {DEFAULT_MAX_OUTPUT_TOKENS}; cut to the room the context leaves)")
+    group.add_argument("--keep-billing-header", action="store_true", default=None, help="leave Claude Code's "
+                       "x-anthropic-billing-header line in the prompt (by default it is removed: it changes from task to "
+                       "task and tells the model nothing, and kept it stops the prefix cache a few tokens in)")
     group.add_argument("--allow-uid", metavar="UID", type=int, action="append", default=[], help="also accept socket clients running as this uid (repeatable; default: only the daemon's own uid)")
 
 
@@ -90,7 +94,8 @@ def http_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     max_output_tokens = getattr(args, "max_output_tokens", None) or DEFAULT_MAX_OUTPUT_TOKENS
     if not 1 <= max_output_tokens <= MAX_TOKENS_LIMIT:
         raise ValueError(f"--max-output-tokens {max_output_tokens} must be between 1 and {MAX_TOKENS_LIMIT}")
-    return HttpSettings(host=host, port=port, unix_path=unix_path, token=token, max_output_tokens=max_output_tokens)
+    return HttpSettings(host=host, port=port, unix_path=unix_path, token=token, max_output_tokens=max_output_tokens,
+                        keep_billing_header=bool(getattr(args, "keep_billing_header", False)))
 
 
 # -- the default token file ------------------------------------------------------------------

@@ -98,6 +98,12 @@ class _EngineGauges(Collector):
         for model, prompt in metrics._prompt.items():
             ratio.add_metric([model], metrics._reused.get(model, 0) / prompt if prompt else 0.0)
         yield ratio
+        normalized = CounterMetricFamily("prefixd_prompts_normalized", "Prompts whose volatile parts were taken out "
+                                         "before templating, by what (anthropic_billing_header: Claude Code's billing line)",
+                                         labels=["what"])
+        for what, count in metrics.handlers.prompts_normalized.items():
+            normalized.add_metric([what], count)
+        yield normalized
         if not stats:
             return
         requests = stats["requests"]

@@ -197,6 +197,8 @@ OPTIONS: dict[str, Option] = {
         Option("http_token_file", path, None, "$PREFIXD_HTTP_TOKEN, else $XDG_CONFIG_HOME/prefixd/http-token (made once, mode 0600)"),
         Option("http_no_token", switch, False, "true: no bearer token on --http, so any local user may connect"),
         Option("max_output_tokens", integer(1), 4096, "the answer length of a /v1/responses request that names none"),
+        Option("keep_billing_header", switch, False, "true: Claude Code's x-anthropic-billing-header line stays in the prompt "
+               "(it changes from task to task, so the prefix cache then stops a few tokens in)"),
         Option("allow_uid", list_of(integer(0)), []),
         Option("ranks", integer(1), 1, "N > 1: run N local ranks through mlx.launch (see README, Several processes)"),
         Option("distributed_backend", choice("any", "ring", "nccl", "jaccl", "mpi"), "any", "what mlx.launch set up"),

@@ -243,6 +243,7 @@ class DaemonServer:
                 self.handlers, host=http.host, port=http.port, unix_path=http.unix_path, token=http.token,
                 peer_policy=self.peer_policy, shutdown_timeout=self.settings.grace_seconds,
                 max_output_tokens=http.max_output_tokens,
+                keep_billing_header=http.keep_billing_header,
                 responses_dir=self.settings.disk_cache.directory / RESPONSES_FOLDER if self.settings.disk_cache else None,
             )
         except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import aiohttp
@@ -28,7 +29,7 @@ def fake_handlers():
 
     engine = SimpleNamespace(model_names=("tiny",), default_model="tiny", call=call,
                              controls=SimpleNamespace(describe_models=lambda: [TINY]))
-    return SimpleNamespace(engine=engine, started_at=time.time(), observers=[])
+    return SimpleNamespace(engine=engine, started_at=time.time(), observers=[], prompts_normalized=Counter())
 
 
 async def get_models(path, headers=None):
