@@ -13,7 +13,12 @@ the bearer token is what keeps them out, and it is required on every TCP
 request once set (``http_options`` sets one unless told ``--http-no-token``;
 a non-loopback host is refused without one). Over a Unix socket the peer's
 uid is checked like on the msgpack socket, and that is the guard there: the
-token is not asked for.
+token is not asked for. One request needs neither: ``HEAD /``, the probe
+Claude Code sends without a key at every start, is answered 200 and nothing.
+
+Every refused request (a 4xx, or a 5xx the front chose) leaves one
+``http_refused`` log line with its status and message; an unknown route's 404
+says the route does not exist and lists those that do.
 
 Slow clients: each request must arrive whole, head and body, within
 ``read_timeout`` seconds of the connection being ready for it (accepted, or
@@ -242,6 +247,10 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
     peer = peer_credentials(sock)
     request[CLIENT_KEY] = _client_id(request, peer)
     structlog.contextvars.bind_contextvars(client=request[CLIENT_KEY], pid=peer.pid, uid=peer.uid, path=request.path)
+    if request.method == "HEAD" and request.path == "/":
+        # "Is anyone there?": Claude Code probes so at every start, with no key. The answer tells nothing an open
+        # port does not, so it needs no token, and it leaves no warning in the log.
+        return web.Response()
     if (refusal := front.peer_policy.refusal(peer)) is not None:
         log.warning("client_refused", reason=refusal)
         return _json_error(request, 403, refusal, "permission_error")
@@ -258,14 +267,34 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
         return await handler(request)
     except RpcError as err:
         error = http_errors.error_for_path(request.path, err)
+        _log_refusal(request, error.status, error.message)
         return web.json_response(http_errors.body_for_path(request.path, error), status=error.status)
     except web.HTTPException as exc:  # aiohttp's own: 404 route, 405 method, 413 body size
         if exc.status < 400:
             raise
-        return _json_error(request, exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code=None)
+        message = _no_route(request, exc) or (exc.reason if exc.status != 413 else exc.text or exc.reason)
+        _log_refusal(request, exc.status, message)
+        return _json_error(request, exc.status, message, code=None)
     except Exception as exc:
         log.exception("http_handler_failed")
         return _json_error(request, 500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _log_refusal(request: web.Request, status: int, message: str) -> None:
+    """One line per refused request: what a client was told is in the log too (the 401 and 403 have their own)."""
+    (log.warning if status >= 500 else log.info)("http_refused", status=status, method=request.method, error=message)
+
+
+def _no_route(request: web.Request, exc: web.HTTPException) -> str | None:
+    """What to tell a client that asked for a route prefixd does not have (None: the 404 or 405 came from a handler)."""
+    if request.match_info.http_exception is None:
+        return None
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return f"{request.method} {request.path}: this route takes only {', '.join(sorted(exc.allowed_methods))}"
+    if exc.status != 404:
+        return None
+    paths = sorted({resource.canonical for resource in request.app.router.resources()})
+    return f"no route {request.method} {request.path} on prefixd; its routes: {', '.join(paths)}"
 
 
 def _over_tcp(sock: Any) -> bool:
@@ -316,7 +345,9 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    return await _generate(request, shapes.chat_request(body), chat=True, include_usage=shapes.wants_usage(body))
+    notes: list[str] = []
+    params = shapes.chat_request(body, notes)
+    return await _generate(request, params, chat=True, include_usage=shapes.wants_usage(body), notes=notes)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -326,8 +357,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, shapes.completion_request(body), chat=False, include_usage=shapes.wants_usage(body))
 
 
-async def _generate(request: web.Request, params: Any, chat: bool, include_usage: bool) -> web.StreamResponse:
-    reply = shapes.Reply(chat, params.model or request.app[HANDLERS_KEY].engine.default_model or "")
+async def _generate(request: web.Request, params: Any, chat: bool, include_usage: bool,
+                    notes: list[str] | None = None) -> web.StreamResponse:
+    reply = shapes.Reply(chat, params.model or request.app[HANDLERS_KEY].engine.default_model or "", notes)
     async with RunningJob(request, params) as job:
         if not params.stream:
             return web.json_response(reply.complete(await job.result()))

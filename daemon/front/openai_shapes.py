@@ -19,6 +19,10 @@ deprecated ``functions`` / ``function_call`` are refused. /v1/completions refuse
 field it does not honour, naming it (``user`` is accepted: it only labels
 the caller). ``suffix`` reaches it as a FIM prompt built by ``infill_api``.
 Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
+llama.cpp's ``cache_prompt``, ``id_slot`` and ``samplers`` (llama.vim's
+instruction mode sends them) are accepted on /v1/chat/completions and named in
+``prefixd_notes``; ``cache_prompt: false`` is honoured. ``stream_options``
+must be an object.
 """
 
 from __future__ import annotations
@@ -75,15 +79,26 @@ CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "session", "cache")
 CHAT_LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 CHAT_SAMPLING_EXTRAS = GREEDY_EXACT + tuple(NEUTRAL_VALUES)
+# llama.cpp server's own fields, which llama.vim's instruction mode sends: hints here, named in prefixd_notes.
+# cache_prompt false is honoured (no cached prefix reused), as on /infill.
+LLAMA_CPP_HINTS = {
+    "cache_prompt": "cache_prompt: prefixd reuses and stores every prompt prefix on its own",
+    "id_slot": "id_slot: prefixd has one prefix store shared by every request, no slots",
+    "samplers": "samplers: prefixd samples with temperature and top_p (greedy at temperature 0), not llama.cpp's chain",
+}
 
 
-def chat_request(body: Any) -> m.GenerateParams:
-    """A /v1/chat/completions body as GenerateParams."""
+def chat_request(body: Any, notes: list[str] | None = None) -> m.GenerateParams:
+    """A /v1/chat/completions body as GenerateParams; what was accepted without effect is appended to ``notes``."""
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
-    http_errors.reject_unknown(body, CHAT_FIELDS + CHAT_LABEL_FIELDS + CHAT_SAMPLING_EXTRAS)
+    http_errors.reject_unknown(body, CHAT_FIELDS + CHAT_LABEL_FIELDS + CHAT_SAMPLING_EXTRAS + tuple(LLAMA_CPP_HINTS))
     if body.get("logit_bias"):
         raise _invalid("'logit_bias' is not supported", "logit_bias")
+    _check_stream_options(body)
+    hints = _llama_cpp_hints(body)
+    if notes is not None:
+        notes += hints
     temperature = body.get("temperature")
     check_sampling_extras({name: body.get(name) for name in CHAT_SAMPLING_EXTRAS},
                           float(temperature) if isinstance(temperature, (int, float)) else 0.0)
@@ -91,10 +106,30 @@ def chat_request(body: Any) -> m.GenerateParams:
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
     params = {**_common(body), **_tool_fields(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]}
+    if body.get("cache_prompt") is False and "cache" not in params:
+        params["cache"] = {"use": False}  # llama.cpp's "do not reuse a cached prefix"
     constraint = response_format_constraint(body.get("response_format"))
     if constraint is not None:
         params["constraint"] = constraint
     return m.parse_generate(params)
+
+
+def _check_stream_options(body: dict[str, Any]) -> None:
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid("'stream_options' must be an object, such as {\"include_usage\": true}", "stream_options")
+
+
+def _llama_cpp_hints(body: dict[str, Any]) -> list[str]:
+    """Notes on llama.cpp's fields in ``body``; a 400 for one of the wrong type."""
+    if "cache_prompt" in body and not isinstance(body["cache_prompt"], bool):
+        raise _invalid("'cache_prompt' must be a boolean", "cache_prompt")
+    if "id_slot" in body and (not isinstance(body["id_slot"], int) or isinstance(body["id_slot"], bool)):
+        raise _invalid("'id_slot' must be an integer", "id_slot")
+    if "samplers" in body and not (isinstance(body["samplers"], (list, str))):
+        raise _invalid("'samplers' must be an array of sampler names (or llama.cpp's string of letters)", "samplers")
+    return [note for name, note in LLAMA_CPP_HINTS.items()
+            if name in body and not (name == "cache_prompt" and body[name] is False)]
 
 
 def response_format_constraint(response_format: Any) -> dict[str, Any] | None:
@@ -169,6 +204,7 @@ def completion_request(body: Any) -> m.GenerateParams:
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
     http_errors.reject_unknown(body, COMPLETION_FIELDS)
+    _check_stream_options(body)
     if body.get("suffix"):
         raise _invalid("'suffix' (fill-in-the-middle) must go through the front's FIM prompt", "suffix")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -202,9 +238,10 @@ def wants_usage(body: Any) -> bool:
 class Reply:
     """Builds the objects of one reply, streamed or not; id and created stay fixed."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, notes: list[str] | None = None):
         self.chat = chat
         self.model = model
+        self.notes = notes or []  # fields accepted without effect (prefixd_notes)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -236,6 +273,7 @@ class Reply:
             },
             "prefixd_cache": result["cache"],
             "prefixd_timings": result["timings"],
+            **({"prefixd_notes": self.notes} if self.notes else {}),
         }
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
@@ -268,7 +306,8 @@ class Reply:
     def closing_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
         """The chunk that carries the finish reason, plus prefixd's cache figures."""
         extras = self.extras(result)
-        return {**self.chunk(finish_reason=result["finish_reason"]), "prefixd_cache": extras["prefixd_cache"], "prefixd_timings": extras["prefixd_timings"]}
+        return {**self.chunk(finish_reason=result["finish_reason"]),
+                **{key: value for key, value in extras.items() if key.startswith("prefixd_")}}
 
     def usage_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the usage."""
