@@ -129,7 +129,8 @@ def test_keep_alive_loads_and_unloads_a_model_as_ps_shows(daemon, client):
     ({"options": {"num_predict": 0}}, "options.num_predict"),
     ({"options": {"no_such_option": 1}}, "options.no_such_option"),
     ({"keep_alive": "a while"}, "keep_alive"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name", "parameters": {"type": "object"}}}]},
+     "tools[0].function.name"),
 ])
 def test_unsupported_fields_are_400_naming_the_field(client, kwargs, field):
     with pytest.raises(ollama.ResponseError) as err:
