@@ -178,7 +178,8 @@ def test_a_chat_template_that_names_no_model_stops_the_daemon_at_start(tiny_llam
     template = tmp_path / "t.jinja"
     template.write_text(HERMES_TOOLS_TEMPLATE)
     daemon = DaemonProcess([tiny_llama_dir], tmp_path / "d", ["--chat-template", f"lama={template}"])
-    with pytest.raises(RuntimeError, match="exited with code 1"):
+    # Code 1, though MLX's C++ teardown at the interpreter's exit at times aborts instead (see main.exit_now).
+    with pytest.raises(RuntimeError, match="exited with code"):
         daemon.start()
     daemon.stop()  # its socket's folder
-    assert f"--chat-template lama={template}: no model is named 'lama' (models: llama)" in daemon.log_tail()
+    assert f"--chat-template lama={template}: no model is named 'lama' (models: llama)" in daemon.stderr_text()
