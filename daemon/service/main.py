@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-bytes", type=parse_size, help="prefix-cache budget (default: a quarter of RAM, at most 8G)")
     parser.add_argument("--cache-entries", type=int, help="prefix-cache node limit (default 65536)")
     parser.add_argument("--pinned-bytes", type=parse_size, help="budget for pinned prefixes (default: a quarter of --cache-bytes)")
+    parser.add_argument("--mlx-cache-bytes", type=parse_size, help="freed device memory MLX keeps for reuse "
+                        "(default: on a GPU a quarter of --cache-bytes, at least 256M; on a CPU, and MLX's own default, up to nearly all memory)")
     parser.add_argument("--disk-cache-bytes", type=parse_size, help="keep the prefix cache on disk across restarts, within this budget (default 0: off)")
     parser.add_argument("--cache-dir", type=Path, help="where the disk cache lives (default: $XDG_CACHE_HOME/prefixd/kv; macOS ~/Library/Caches/prefixd/kv)")
     parser.add_argument("--disk-save-interval", type=float, help="seconds between saves of what changed (default 60; also saved at shutdown)")
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_bytes=cache_bytes,
         cache_nodes=args.cache_entries,
         pinned_bytes=args.pinned_bytes,
+        mlx_cache_bytes=args.mlx_cache_bytes,
         max_active=args.max_active,
         keep_alive_s=args.keep_alive,
         max_model_bytes=args.max_model_memory,
@@ -208,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         code = runner(DaemonServer(settings, rank_engine).run())
     except SocketInUse as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
-        return 1
+        exit_now(1)
     # A missing model, a busy --http port, a slow load, a --chat-template that does not render.
     except (OSError, TimeoutError, DistributedStartError, ChatTemplateError) as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
-        return 1
+        exit_now(1)  # the engine thread may have started: the same teardown abort as after a clean stop
     exit_now(code)
 
 
