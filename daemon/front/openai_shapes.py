@@ -318,8 +318,9 @@ RESIDENCY_KEYS = ("loaded", "resident_bytes", "weight_bytes", "loaded_at", "expi
 
 
 def models_list(described: list[dict[str, Any]], created: int) -> dict[str, Any]:
-    """OpenAI's model list from the engine's describe_models, with each model's residency beside OpenAI's fields."""
+    """OpenAI's model list from the engine's describe_models, with each model's residency and tools path beside OpenAI's fields."""
     return {"object": "list", "data": [
         {"id": model["name"], "object": "model", "created": created, "owned_by": "prefixd",
-         "prefixd_residency": {key: model[key] for key in RESIDENCY_KEYS}}
+         "prefixd_residency": {key: model[key] for key in RESIDENCY_KEYS},
+         "prefixd_tools": model.get("tools")}  # template | generic | none: how the model takes tools, once known
         for model in described]}

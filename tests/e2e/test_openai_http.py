@@ -74,6 +74,7 @@ def client(daemon):
 def test_models_lists_the_loaded_model(client):
     assert [model.id for model in client.models.list()] == ["llama"]
     assert client.models.retrieve("llama").owned_by == "prefixd"
+    assert client.models.retrieve("llama").model_extra["prefixd_tools"] == "generic"  # its ChatML template reads no tools
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
 
