@@ -56,6 +56,8 @@ class ControlCalls:
                 "peak_rss_bytes": peak_rss_bytes(),
                 # What MLX holds now: the weights, the prefix store, the running sequences' KV, temporaries.
                 "mlx_active_bytes": mx.get_active_memory(),
+                "mlx_cache_bytes": mx.get_cache_memory(),  # freed, kept for reuse (bounded: --mlx-cache-bytes)
+                "mlx_peak_bytes": mx.get_peak_memory(),
             },
         }
 

@@ -24,6 +24,7 @@ from ..models.model_catalog import CatalogEntry, describe_models
 from ..models.staged_load import load_in_steps
 from ..models.names import model_not_found
 from .constrained_sampling import compiler_for
+from .device_memory import configure_buffer_cache
 from .control_calls import ControlCalls, peak_rss_bytes
 from .faults import fault_point
 from .inbox import Inbox
@@ -203,6 +204,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            configure_buffer_cache(self.settings.mlx_cache_bytes, self.settings.cache_bytes)
             self._load_all()
         except BaseException as exc:
             self._startup_error = exc

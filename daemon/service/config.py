@@ -175,6 +175,7 @@ OPTIONS: dict[str, Option] = {
         Option("cache_bytes", parse_size, None, "a quarter of RAM, at most 8G"),
         Option("cache_entries", integer(1), 65536),
         Option("pinned_bytes", parse_size, None, "a quarter of cache_bytes"),
+        Option("mlx_cache_bytes", parse_size, None, "on a GPU a quarter of cache_bytes, at least 256M; on a CPU MLX's own"),
         Option("disk_cache_bytes", parse_size, 0, "0: off; e.g. 8G keeps the prefix cache across restarts"),
         Option("cache_dir", path, None, "$XDG_CACHE_HOME/prefixd/kv (macOS: ~/Library/Caches/prefixd/kv)"),
         Option("disk_save_interval", number(1), 60.0),
