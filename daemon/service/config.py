@@ -195,7 +195,7 @@ OPTIONS: dict[str, Option] = {
         Option("status_interval", number(0.1), 5.0),
         Option("http", text, None, "off"),
         Option("http_socket", path, None, "off"),
-        Option("http_token_file", path, None, "$PREFIXD_HTTP_TOKEN, else $XDG_CONFIG_HOME/prefixd/http-token (made once, mode 0600)"),
+        Option("http_token_file", path, None, "none: the token itself from $PREFIXD_HTTP_TOKEN (a token, not a path), else the file $XDG_CONFIG_HOME/prefixd/http-token (made once, mode 0600)"),
         Option("http_no_token", switch, False, "true: no bearer token on --http, so any local user may connect"),
         Option("max_output_tokens", integer(1), 4096, "the answer length of a /v1/responses request that names none"),
         Option("keep_billing_header", switch, False, "true: Claude Code's x-anthropic-billing-header line stays in the prompt "
