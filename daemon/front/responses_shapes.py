@@ -215,7 +215,9 @@ def _tool_choice(choice: Any) -> Any:
     if choice is None or choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        namespace = choice.get("namespace")
+        name = f"{namespace}.{choice['name']}" if isinstance(namespace, str) and namespace else choice["name"]
+        return {"type": "function", "function": {"name": name}}
     raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or {type: \"function\", name}", "tool_choice")
 
 

@@ -153,3 +153,34 @@ def test_stored_conversations_outlive_a_restart_with_the_disk_cache(tiny_llama_d
                                              max_output_tokens=4)
             assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
         assert "responses_loaded" in live.log_text()
+
+
+READ_FILE = {"type": "function", "name": "read_file", "description": "Read a file of the project.",
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+SHELL = {"type": "namespace", "name": "shell", "description": "Shell tools.",
+         "tools": [{"type": "function", "name": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                                        "required": ["cmd"]}}]}
+
+
+def test_a_function_call_and_its_output_continue_the_stored_conversation(client):
+    # The tiny llama's template has no tools: prefixd's generic tool section carries them (tools: generic).
+    first = client.responses.create(model="llama", input="Read the README.", tools=[READ_FILE], tool_choice="required",
+                                    max_output_tokens=64)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1 and calls[0].name == "read_file"
+    assert "path" in json.loads(calls[0].arguments)
+    assert cache_of(first)["tools"] == "generic"
+    second = client.responses.create(model="llama", previous_response_id=first.id, tools=[READ_FILE], max_output_tokens=4,
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "# prefixd"}])
+    # The call came back as the model wrote it, so the whole first turn, the call included, is reused.
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+
+
+def test_a_namespaced_tool_is_called_by_its_namespace_and_name(client):
+    events = list(client.responses.create(model="llama", input="List the files.", tools=[SHELL], max_output_tokens=64,
+                                          tool_choice={"type": "function", "name": "shell.run"}, stream=True))
+    kinds = [event.type for event in events]
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    call = events[-1].response.output[-1]
+    assert call.type == "function_call" and call.namespace == "shell" and call.name == "run"
+    assert "cmd" in json.loads(call.arguments)
