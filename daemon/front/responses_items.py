@@ -25,7 +25,6 @@ refused, naming the item.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -183,11 +182,3 @@ def output_items(result: dict[str, Any], namespaces: frozenset[str]) -> list[dic
     calls = result.get("tool_calls") or []
     items = [message_item(new_item_id("msg"), result["text"])] if result["text"] or not calls else []
     return items + [function_call_item(new_item_id("fc"), call, namespaces) for call in calls]
-
-
-def output_text(items: list[dict[str, Any]]) -> str:
-    return "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
-
-
-def arguments_json(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
