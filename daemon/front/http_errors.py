@@ -14,13 +14,16 @@ from typing import Any, Iterable
 
 from ...protocol.errors import ErrorCode, RpcError
 
-# prefixd error code -> (HTTP status, OpenAI error type, OpenAI error code)
+# prefixd error code -> (HTTP status, OpenAI error type, OpenAI error code). A prompt longer than the context is
+# OpenAI's (and llama.cpp's) 400, not a 413: Codex shows context_length_exceeded as "ran out of room in the model's
+# context window" at once but retries a 413 five times, and opencode takes a 413 for oversized media, compacts
+# the conversation and sends it again, forever.
 _HTTP_ERRORS: dict[int, tuple[int, str, str | None]] = {
     ErrorCode.INVALID_PARAMS: (400, "invalid_request_error", None),
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error", None),
     ErrorCode.METHOD_NOT_FOUND: (404, "invalid_request_error", "not_found"),
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    ErrorCode.PROMPT_TOO_LONG: (413, "invalid_request_error", "context_length_exceeded"),
+    ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error", "context_length_exceeded"),
     ErrorCode.MESSAGE_TOO_LARGE: (413, "invalid_request_error", "request_too_large"),
     ErrorCode.OVERLOADED: (503, "server_error", "overloaded"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error", "shutting_down"),

@@ -30,7 +30,7 @@ _NOTED_FIELDS = {
     "id_slot": "id_slot: prefixd has one prefix store shared by every request, no slots",
     "t_max_prompt_ms": "t_max_prompt_ms: not applied (llama.cpp does not apply it either)",
     "samplers": "samplers: prefixd samples with temperature and top_p (greedy at temperature 0), not llama.cpp's chain",
-    "n_keep": "n_keep: prefixd never truncates a prompt (one that does not fit is a 413)",
+    "n_keep": "n_keep: prefixd never truncates a prompt (one that does not fit is a 400)",
     "timings_per_token": None,  # accepted when false (checked below)
     "return_tokens": None,
     "response_fields": None,  # honoured

@@ -38,7 +38,7 @@ MESSAGE_FIELDS = ("role", "content", "images", "tool_calls", "thinking", "tool_n
 # Options that tune where and how fast a model runs, never which tokens come out.
 RUNTIME_OPTIONS = ("num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "numa", "low_vram", "num_batch",
                    "f16_kv", "vocab_only", "logits_all", "embedding_only")
-# Options about truncating a prompt that does not fit: prefixd never truncates (a prompt that does not fit is a 413).
+# Options about truncating a prompt that does not fit: prefixd never truncates (a prompt that does not fit is a 400).
 CONTEXT_OPTIONS = ("num_ctx", "num_keep")
 NEVER = "2318-01-01T00:00:00Z"  # Ollama's expires_at for a model kept loaded for good
 # Ollama ends an answer that called tools with done_reason "stop", as any other that ended by itself.

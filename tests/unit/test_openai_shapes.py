@@ -51,7 +51,7 @@ def test_completion_refuses_what_it_cannot_do():
 
 
 @pytest.mark.parametrize("code, status", [
-    (ErrorCode.MODEL_NOT_FOUND, 404), (ErrorCode.PROMPT_TOO_LONG, 413), (ErrorCode.OVERLOADED, 503),
+    (ErrorCode.MODEL_NOT_FOUND, 404), (ErrorCode.PROMPT_TOO_LONG, 400), (ErrorCode.OVERLOADED, 503),
     (ErrorCode.SHUTTING_DOWN, 503), (ErrorCode.INTERNAL, 500),
 ])
 def test_error_statuses(code, status):
