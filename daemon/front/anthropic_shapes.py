@@ -33,7 +33,7 @@ from ..engine.stop_strings import StopStringMatcher
 from .anthropic_fields import hint_notes, output_constraint, system_message_notes
 from .anthropic_tools import CACHE_CONTROL_NOTE, assistant_message, generate_tool_fields, has_tool_blocks, user_messages
 from .http_errors import invalid, reject_unknown
-from .sampling_fields import check_sampling_extras
+from .sampling_fields import check_sampling_extras, temperature_of
 
 MESSAGE_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
                   "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control", "context_management",
@@ -87,7 +87,7 @@ def messages_request(body: dict[str, Any], default_model: str, beta_header: str 
             generate[name] = body[name]
     if (constraint := output_constraint(body)) is not None:
         generate["constraint"] = constraint
-    notes += check_sampling_extras({"top_k": body.get("top_k")}, float(body.get("temperature") or 0.0))
+    notes += check_sampling_extras({"top_k": body.get("top_k")}, temperature_of(body.get("temperature")))
     params = m.parse_generate(generate)
     return MessagesRequest(params, params.model or default_model, tuple(stops), notes, normalized,
                            any(message["role"] == "system" for message in messages[1:]))

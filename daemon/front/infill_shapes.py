@@ -21,7 +21,7 @@ from typing import Any
 from ...protocol import methods as m
 from .fim_formats import FimFormat
 from .http_errors import invalid, reject_unknown
-from .sampling_fields import check_sampling_extras
+from .sampling_fields import check_sampling_extras, temperature_of
 
 _PROMPT_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt")
 _GENERATE_FIELDS = ("model", "n_predict", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "cache_prompt")
@@ -85,7 +85,7 @@ def infill_request(body: dict[str, Any], fim: FimFormat) -> InfillRequest:
         raise invalid("'cache_prompt' must be a boolean", "cache_prompt")
     if not cache_prompt:
         generate["cache"] = {"use": False}  # llama.cpp's "do not reuse a cached prefix"
-    notes += check_sampling_extras({k: body[k] for k in _SAMPLING_EXTRAS if k in body}, float(body.get("temperature") or 0.0))
+    notes += check_sampling_extras({k: body[k] for k in _SAMPLING_EXTRAS if k in body}, temperature_of(body.get("temperature")))
     if warm_only:
         generate["max_tokens"] = 1
     params = m.parse_generate(generate)

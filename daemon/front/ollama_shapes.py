@@ -29,7 +29,7 @@ from ...protocol.errors import RpcError
 from ...protocol.keep_alive import parse_keep_alive
 from ...protocol.tools import FINISH_TOOL_CALLS
 from .http_errors import invalid, reject_unknown
-from .sampling_fields import check_sampling_extras
+from .sampling_fields import check_sampling_extras, temperature_of
 
 CHAT_FIELDS = ("model", "messages", "tools", "format", "options", "stream", "keep_alive", "think")
 GENERATE_FIELDS = ("model", "prompt", "suffix", "images", "format", "options", "system", "template", "stream", "raw",
@@ -183,7 +183,7 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
         if extras.pop(name, None) is not None:
             notes.append(f"options.{name}: no effect in prefixd" if name in RUNTIME_OPTIONS else
                          f"options.{name}: prefixd uses the model's whole context and never truncates a prompt")
-    notes += check_sampling_extras(extras, float(generate.get("temperature") or 0.0), "options.")
+    notes += check_sampling_extras(extras, temperature_of(generate.get("temperature"), "options.temperature"), "options.")
     params = _parse(generate, "options.")
     return OllamaRequest(params, params.model or default_model, stream, notes, params.keep_alive)
 

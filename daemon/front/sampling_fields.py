@@ -58,5 +58,14 @@ def check_sampling_extras(fields: dict[str, Any], temperature: float, where: str
     return notes
 
 
+def temperature_of(value: Any, name: str = "temperature") -> float:
+    """A request's temperature as a number (0 when absent), or a 400 naming the field: never a 500 from float()."""
+    if value is None:
+        return 0.0
+    if not _is_number(value):
+        raise invalid(f"'{name}' must be a number, got {type(value).__name__}", name)
+    return float(value)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

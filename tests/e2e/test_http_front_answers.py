@@ -86,3 +86,20 @@ def test_an_infill_answer_cut_by_the_indent_rule_is_logged_as_a_stop(daemon):
     line = daemon.wait_for_event("generate", model="llama-fim", stopped_by_front="n_indent")
     assert line["finish_reason"] == "stop"
     assert not [line for line in daemon.events("generate", model="llama-fim") if line["finish_reason"] == "cancelled"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/messages", {"model": "llama", "max_tokens": 4, "temperature": "hot", "messages": [{"role": "user", "content": "hi"}]},
+     "temperature"),
+    ("/api/chat", {"model": "llama", "options": {"temperature": [1]}, "messages": [{"role": "user", "content": "hi"}]},
+     "options.temperature"),
+    ("/api/generate", {"model": "llama", "prompt": "hi", "options": {"temperature": "hot"}}, "options.temperature"),
+    ("/v1/chat/completions", {"model": "llama", "temperature": "hot", "messages": [{"role": "user", "content": "hi"}]},
+     "temperature"),
+    ("/v1/responses", {"model": "llama", "temperature": {"x": 1}, "input": "hi"}, "temperature"),
+])
+def test_a_wrongly_typed_temperature_is_a_400_naming_it_on_every_api(daemon, path, body, field):
+    status, reply = daemon.post_json(path, body)
+    assert status == 400, reply
+    assert f"'{field}' must be a number" in str(reply)
+    assert not daemon.events("http_handler_failed")
