@@ -63,6 +63,29 @@ def summarize(run: dict) -> dict:
     return out
 
 
+def serving_order(run: dict) -> dict | None:
+    """How prefixd orders a round's warm turns, from its replies: the first-served agent's TTFT (its tail's
+    prefill alone), the gaps between consecutive first tokens, and each gap less the decode time of the agent
+    served before (when that is about the first-served TTFT, every agent waits for each earlier agent's whole
+    prefill and whole answer). ``back_to_back_p50_ms``: the p50 if the tails ran one after another with no
+    decode step between them (agent k at k x the first-served TTFT)."""
+    firsts, gaps, rests = [], [], []
+    for r in run["rounds"]:
+        if r["server"] != PREFIXD or r["turn"] < 2 or any("error" in x for x in r["results"]):
+            continue
+        served = sorted(r["results"], key=lambda x: x["ttft_ms"])
+        firsts.append(served[0]["ttft_ms"])
+        for before, after in zip(served, served[1:]):
+            gaps.append(after["ttft_ms"] - before["ttft_ms"])
+            rests.append(gaps[-1] - before["server_timings"]["decode_ms"])
+    if not rests:
+        return None
+    first = statistics.median(firsts)
+    agents = run["sizes"]["agents"]
+    return {"first_served_ms": first, "gap_ms": statistics.median(gaps), "gap_less_decode_ms": statistics.median(rests),
+            "back_to_back_p50_ms": percentile([k * first for k in range(1, agents + 1)], 50)}
+
+
 def targets(run: dict, summary: dict) -> list[dict]:
     lines = []
     if PREFIXD not in summary or SERVER not in summary:
@@ -120,6 +143,13 @@ def markdown(run: dict, summary: dict, goals: list[dict]) -> str:
         lines += ["", "prefixd's own timings on warm turns (prefixd_timings, median ms): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())
                   + f"; client TTFT - daemon ttft_ms (HTTP front and socket) {summary[PREFIXD]['warm_front_ms_p50']:.0f}."]
+    order = serving_order(run)
+    if order and SERVER in summary:
+        lines += ["", f"prefixd's serving order on warm turns (medians): the first-served agent's TTFT {order['first_served_ms']:.0f}"
+                  f" ms; {order['gap_ms']:.0f} ms between consecutive agents' first tokens, {order['gap_less_decode_ms']:.0f}"
+                  " ms of it besides the decode of the agent served before. Back to back, with no decode step between"
+                  f" the tails, the warm p50 would be {order['back_to_back_p50_ms']:.0f} ms"
+                  f" ({ratio(order['back_to_back_p50_ms'], summary[SERVER]['warm_p50']):.2f}x mlx-lm server's)."]
     lines += ["", f"Sanity: {agreement(run)}.", ""]
     return "\n".join(lines)
 
@@ -128,7 +158,7 @@ def write(run: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(run)
     goals = targets(run, summary)
-    run["summary"], run["targets"] = summary, goals
+    run["summary"], run["targets"], run["serving_order"] = summary, goals, serving_order(run)
     text = markdown(run, summary, goals)
     print("\n" + text)
     (out / "agent.md").write_text(text)
