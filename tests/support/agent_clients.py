@@ -40,6 +40,7 @@ class Endpoint:
     token: str
     model: str
     context: int  # the model's context, for the clients that want to know it
+    max_output_tokens: int | None = None  # a cap on answers for the clients that send one (None: theirs)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Turn:
     stderr: str
     answer: str | None  # the answer as the client reports it
     cached_tokens: int | None  # the client's own figure of prompt tokens read from the cache, this turn
+    error: str | None = None  # the error the client reports, where its output has one
 
     @property
     def printed(self) -> str:
@@ -90,8 +92,8 @@ class AgentClient:
     def client_env(self, endpoint: Endpoint) -> dict[str, str]:
         return {}
 
-    def parse(self, stdout: str) -> tuple[str | None, int | None]:
-        """(answer, cached tokens) from the client's JSON output."""
+    def parse(self, stdout: str) -> tuple[str | None, int | None, str | None]:
+        """(answer, cached tokens, error) from the client's JSON output."""
         raise NotImplementedError
 
     def run(self, prompt: str, endpoint: Endpoint, follow_up: bool = False, as_json: bool = True,
@@ -111,8 +113,8 @@ class AgentClient:
             if not stop_at_timeout:
                 raise
             return Turn(None, _text(stopped.stdout), _text(stopped.stderr), None, None)
-        answer, cached = self.parse(done.stdout) if as_json and done.returncode == 0 else (None, None)
-        return Turn(done.returncode, done.stdout, done.stderr, answer, cached)
+        answer, cached, error = self.parse(done.stdout) if as_json else (None, None, None)
+        return Turn(done.returncode, done.stdout, done.stderr, answer, cached, error)
 
 
 def _text(output: str | bytes | None) -> str:
@@ -148,17 +150,19 @@ class Codex(AgentClient):
         head = ["exec", *(["--json"] if as_json else []), "--skip-git-repo-check"]
         return head + (["resume", "--last", prompt] if follow_up else [prompt])
 
-    def parse(self, stdout: str) -> tuple[str | None, int | None]:
+    def parse(self, stdout: str) -> tuple[str | None, int | None, str | None]:
         events = _json_lines(stdout)
         messages = [e["item"]["text"] for e in events
                     if e.get("type") == "item.completed" and e.get("item", {}).get("type") == "agent_message"]
+        answer = messages[-1] if messages else None
+        failed = [e["error"].get("message") for e in events if e.get("type") == "turn.failed" and isinstance(e.get("error"), dict)]
         usage = [e["usage"] for e in events if e.get("type") == "turn.completed"]
         if not usage:
-            return (messages[-1] if messages else None), None
+            return answer, None, failed[-1] if failed else None
         # Codex's usage adds up over the whole thread, resumed runs included: this turn's is the difference.
         total = usage[-1].get("cached_input_tokens", 0)
         cached, self.cumulative_cached = total - self.cumulative_cached, total
-        return (messages[-1] if messages else None), cached
+        return answer, cached, None
 
 
 def codex_config(endpoint: Endpoint) -> str:
@@ -184,17 +188,20 @@ class ClaudeCode(AgentClient):
     def client_env(self, endpoint: Endpoint) -> dict[str, str]:
         return {"ANTHROPIC_BASE_URL": endpoint.base_url, "ANTHROPIC_AUTH_TOKEN": endpoint.token,
                 "ANTHROPIC_MODEL": endpoint.model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": endpoint.model,
-                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                **({"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(endpoint.max_output_tokens)} if endpoint.max_output_tokens else {})}
 
     def arguments(self, prompt: str, endpoint: Endpoint, follow_up: bool, as_json: bool) -> list[str]:
         return ["-p", prompt, *(["--continue"] if follow_up else []),
                 *(["--output-format", "json"] if as_json else [])]
 
-    def parse(self, stdout: str) -> tuple[str | None, int | None]:
+    def parse(self, stdout: str) -> tuple[str | None, int | None, str | None]:
         results = [e for e in _json_lines(stdout) if e.get("type") == "result"]
         if not results:
-            return None, None
-        return results[-1].get("result"), results[-1].get("usage", {}).get("cache_read_input_tokens")
+            return None, None, None
+        if results[-1].get("is_error"):
+            return None, None, results[-1].get("result")
+        return results[-1].get("result"), results[-1].get("usage", {}).get("cache_read_input_tokens"), None
 
 
 class OpenCode(AgentClient):
@@ -202,9 +209,11 @@ class OpenCode(AgentClient):
 
     name, binary = "opencode", "opencode"
     compacts_without_end = True
+    tools = True  # False: "tools": {"*": false}, for a model that cannot take them
 
     def configure(self, endpoint: Endpoint) -> None:
-        (self.workdir / "opencode.json").write_text(json.dumps(opencode_config(endpoint), indent=2) + "\n")
+        config = opencode_config(endpoint, self.tools)
+        (self.workdir / "opencode.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def client_env(self, endpoint: Endpoint) -> dict[str, str]:
         return {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1"}
@@ -212,12 +221,14 @@ class OpenCode(AgentClient):
     def arguments(self, prompt: str, endpoint: Endpoint, follow_up: bool, as_json: bool) -> list[str]:
         return ["run", *(["--continue"] if follow_up else []), *(["--format", "json"] if as_json else []), prompt]
 
-    def parse(self, stdout: str) -> tuple[str | None, int | None]:
+    def parse(self, stdout: str) -> tuple[str | None, int | None, str | None]:
         events = _json_lines(stdout)
         texts = [e["part"]["text"] for e in events if e.get("type") == "text"]
         steps = [e["part"]["tokens"] for e in events if e.get("type") == "step_finish"]
         cached = sum(step.get("cache", {}).get("read", 0) for step in steps) if steps else None
-        return ("".join(texts) if texts else None), cached
+        errors = [e["error"] for e in events if e.get("type") == "error" and isinstance(e.get("error"), dict)]
+        error = f"{errors[-1].get('name')}: {errors[-1].get('data', {}).get('message')}" if errors else None
+        return ("".join(texts) if texts else None), cached, error
 
 
 def opencode_config(endpoint: Endpoint, tools: bool = True) -> dict[str, Any]:
@@ -228,7 +239,8 @@ def opencode_config(endpoint: Endpoint, tools: bool = True) -> dict[str, Any]:
             "npm": "@ai-sdk/openai-compatible",
             "name": "prefixd",
             "options": {"baseURL": f"{endpoint.base_url}/v1", "apiKey": endpoint.token},
-            "models": {endpoint.model: {"name": endpoint.model, "limit": {"context": endpoint.context, "output": 4096}}},
+            "models": {endpoint.model: {"name": endpoint.model, "limit": {"context": endpoint.context,
+                                                               "output": endpoint.max_output_tokens or 4096}}},
         }},
         "model": f"prefixd/{endpoint.model}",
         "small_model": f"prefixd/{endpoint.model}",

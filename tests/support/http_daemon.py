@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from tests.e2e.daemon_process import DaemonProcess
 from tests.support.fim_model import ensure_fim_model
@@ -49,12 +49,13 @@ class HttpDaemon(DaemonProcess):
 
 
 @contextmanager
-def http_daemon(tiny_llama_dir: Path, workdir: Path, model_dirs: list[Path] | None = None) -> Iterator[HttpDaemon]:
+def http_daemon(tiny_llama_dir: Path, workdir: Path, model_dirs: list[Path] | None = None,
+                extra_args: Iterable[str] = ()) -> Iterator[HttpDaemon]:
     """``model_dirs``: the models to serve, the first the default (the tiny llama and its FIM copy when None)."""
     if model_dirs is None:
         model_dirs = [tiny_llama_dir, ensure_fim_model(tiny_llama_dir, tiny_llama_dir.parent)]
     port = free_tcp_port()
-    daemon = HttpDaemon(model_dirs, workdir, ["--log-level", "debug", "--http", f"127.0.0.1:{port}"])
+    daemon = HttpDaemon(model_dirs, workdir, ["--log-level", "debug", "--http", f"127.0.0.1:{port}", *extra_args])
     with daemon:
         daemon.base_url = f"http://127.0.0.1:{port}"
         _wait_for_http(daemon)
