@@ -20,6 +20,7 @@ each client prints.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -101,9 +102,7 @@ def run_client(name: str, endpoint: Endpoint, daemon: HttpDaemon, workdir: Path,
 
 
 def run_agents_sdk(endpoint: Endpoint, daemon: HttpDaemon) -> list[str]:
-    try:
-        import agents  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("agents") is None:
         return [f"{SDK:<12} not installed (pip install openai-agents; it is in the test extra)"]
     before_sdk = len(daemon.events("generate", path="/v1/responses"))
     try:
