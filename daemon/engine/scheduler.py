@@ -247,10 +247,11 @@ class Scheduler:
         started = time.monotonic()
         self._prefill_short_tails()
         self._prefill_s += time.monotonic() - started
-        if decoding and self.agree(self._prefill_s > self._decode_s):
-            return
         started = time.monotonic()
-        self._prefill_one()
+        if decoding and self.agree(self._prefill_s > self._decode_s):
+            self._prefill_last_pass()
+        else:
+            self._prefill_one()
         self._prefill_s += time.monotonic() - started
 
     def _wake_waiters(self) -> None:
@@ -285,6 +286,29 @@ class Scheduler:
         for other in self._prefill_turns:
             other.num_prefill_skips += 1
         seq.num_prefill_skips = 0
+        self._guard(seq, lambda: self._prefill_chunk(seq))
+
+    def _prefill_last_pass(self) -> None:
+        """On decode's turn, still one pass for a prompt whose rest fits in one chunk (it ends in a first token).
+
+        Agents send their turns together: each a few hundred new tokens on a
+        warm prefix, one pass each. Under the even split alone, the second
+        agent's pass waited for the first agent's whole answer, the third for
+        the second's, and so on (on this CPU the fourth of four agents got its
+        first token ~40 s after the first; mlx-lm's server, prefilling them
+        together, beat prefixd's warm TTFT). One such pass per step keeps the
+        running answers going (a token per pass) while every waiting prompt
+        reaches its first token; a prompt that needs more passes keeps the even
+        split, so a long one still cannot slow the answers to a pass per token
+        for long. bench/agent_workload.py measures it.
+        """
+        last = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and len(s.tokens) - s.position <= self.chunk_size]
+        if not last:
+            return
+        seq = min(last, key=lambda s: len(s.tokens) - s.position)
+        self._prefill_turns.remove(seq)
+        for other in self._prefill_turns:
+            other.num_prefill_skips += 1
         self._guard(seq, lambda: self._prefill_chunk(seq))
 
     def _prefill_short_tails(self) -> int:
