@@ -36,7 +36,7 @@ import agent_prompts as prompts  # noqa: E402
 import agent_report  # noqa: E402
 from compare import DEFAULT_MODEL, load_average, machine_meta  # noqa: E402
 from harness import BenchError, Daemon  # noqa: E402
-from peers import MlxServerPeer, _sse_data, free_port  # noqa: E402
+from peers import MlxServerPeer, _sse_data, free_port, wait_for_models  # noqa: E402
 from workloads import Tokens, fit_lines  # noqa: E402
 
 
@@ -130,22 +130,6 @@ class PrefixdHttp:
 
     def stop(self) -> None:
         self.daemon.stop()
-
-
-def wait_for_models(port: int, proc, tail, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BenchError(f"the server exited with code {proc.returncode}:\n{tail()}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/v1/models")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise BenchError(f"no answer on port {port} within {timeout:.0f} s:\n{tail()}")
 
 
 def chat(port: int, messages: list[dict], max_tokens: int) -> dict:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from harness import BenchError, Daemon, connect, decode_window, timed_generate
 
@@ -135,6 +136,23 @@ class PrefixdClient:
 # -- mlx-lm's server --------------------------------------------------------------------------------
 
 
+def wait_for_models(port: int, proc: subprocess.Popen, tail: Callable[[], str], timeout: float = 60.0) -> None:
+    """Until the OpenAI-compatible server on ``port`` lists its models; BenchError if it exits or stays silent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"the server exited with code {proc.returncode}:\n{tail()}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise BenchError(f"no answer on port {port} within {timeout:.0f} s:\n{tail()}")
+
+
 class MlxServerPeer(_Peer):
     """``python -m mlx_lm.server``: OpenAI-compatible HTTP, streaming, its LRU prompt cache."""
 
@@ -156,19 +174,7 @@ class MlxServerPeer(_Peer):
     def start(self, timeout: float = 180.0) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchError(f"mlx_lm.server exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/v1/models")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise BenchError(f"mlx_lm.server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+        wait_for_models(self.port, self.proc, self.log_tail, timeout)
 
     @property
     def pid(self) -> int:
