@@ -15,6 +15,7 @@ a non-loopback host is refused without one). Over a Unix socket the peer's
 uid is checked like on the msgpack socket, and that is the guard there: the
 token is not asked for. One request needs neither: ``HEAD /``, the probe
 Claude Code sends without a key at every start, is answered 200 and nothing.
+Nor does ``GET /health`` ask for the token (``router_api``: a router probes it without one).
 
 Every refused request (a 4xx, or a 5xx the front chose) leaves one
 ``http_refused`` log line with its status and message; an unknown route's 404
@@ -43,7 +44,7 @@ from ...protocol.codec import MAX_MESSAGE_BYTES
 from ...protocol.errors import RpcError
 from ..engine.jobs import GenerateJob
 from ..models.names import model_not_found
-from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, responses_api
+from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, responses_api, router_api
 from . import openai_shapes as shapes
 from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
@@ -134,6 +135,7 @@ async def start_http_front(
     responses_api.add_routes(app.router)
     infill_api.add_routes(app.router)
     metrics.add_routes(app.router, handlers)
+    router_api.add_routes(app.router)  # /health, /v1/loads and the info a router in front reads
     path = Path(unix_path).expanduser() if unix_path is not None else None
     front = HttpFront(app, path, token, peer_policy or PeerPolicy(), shutdown_timeout)
     app[HANDLERS_KEY] = handlers
@@ -254,7 +256,8 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
     if (refusal := front.peer_policy.refusal(peer)) is not None:
         log.warning("client_refused", reason=refusal)
         return _json_error(request, 403, refusal, "permission_error")
-    if front.token is not None and _over_tcp(sock) and not _token_matches(request, front.token):
+    if front.token is not None and _over_tcp(sock) and not _token_matches(request, front.token) \
+            and not router_api.is_open_probe(request):
         log.warning("http_unauthorized")
         return _json_error(request, 401, "a valid bearer token is required (Authorization: Bearer ..., or x-api-key: ...); "
                                          "OpenAI and Anthropic clients send it as their API key. "
