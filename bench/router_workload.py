@@ -1,0 +1,174 @@
+"""Many daemons behind a cache-aware router: prefix reuse and warm TTFT, cache_aware against round_robin and one daemon.
+
+    .venv/bin/python bench/router_workload.py [--quick] [--model DIR] [--out bench/results/DATE-router]
+
+Runs the same multi-tenant chat workload (bench/router_client.py: tenants with
+long system prompts of their own, several sessions each, two turns, arriving
+interleaved) against, in turn and each from cold:
+
+* one daemon alone with all the memory (``--daemons`` times a daemon's), behind the router;
+* ``--daemons`` daemons behind smg with ``--policy cache_aware``;
+* the same behind smg with ``--policy round_robin``;
+
+once for each per-daemon ``--cache-bytes`` in ``--cache-mib`` (by default 256 MiB, where every daemon could
+hold every tenant's prefixes, and 160 MiB, where a daemon holds its third of them and its running
+requests, not more);
+
+then a fault: under cache_aware, with the disk cache on, the daemon that holds
+the most tenants is killed (SIGKILL) under load and started again on the same
+port. Each reply's ``usage.prompt_tokens_details.cached_tokens`` gives the
+reuse; the router's ``x-smg-routed-worker-id`` header names the daemon.
+
+Targets (issue 33): cache_aware's reused share within 5 points of one daemon's,
+and at least twice round_robin's. Writes report.md and results.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from compare import load_average, machine_meta  # noqa: E402
+from router_client import run_turns, workload  # noqa: E402
+from router_fleet import SMG_VERSION, Fleet, find_smg  # noqa: E402
+from router_report import fault_summary, render_report, summarize  # noqa: E402
+
+SMOLLM2 = Path.home() / ".local/share/prefixd/models/SmolLM2-135M-Instruct"
+MIB = 1 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=SMOLLM2)
+    parser.add_argument("--daemons", type=int, default=3)
+    parser.add_argument("--tenants", type=int, default=6)
+    parser.add_argument("--sessions", type=int, default=4, help="sessions per tenant")
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--system-words", type=int, default=450, help="words in each tenant's system prompt")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--cache-mib", default="256,160",
+                        help="each daemon's --cache-bytes in MiB; a comma-separated list runs the policies once per size")
+    parser.add_argument("--fault-seconds", type=float, default=12.0, help="how long the killed daemon stays down")
+    parser.add_argument("--no-fault", action="store_true", help="skip the kill-and-restart phase")
+    parser.add_argument("--quick", action="store_true", help="3 tenants x 2 sessions, short prompts, a short fault")
+    parser.add_argument("--out", type=Path, default=None, help="folder for report.md and results.json")
+    parser.add_argument("--records", type=Path, default=None, help="append every request's record here (JSON lines)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds one request may take")
+    args = parser.parse_args(argv)
+    args.cache_mib = [int(size) for size in str(args.cache_mib).split(",")]
+    if args.quick:
+        args.tenants, args.sessions, args.system_words, args.fault_seconds = 3, 2, 150, 6.0
+        args.cache_mib = args.cache_mib[:1]
+    return args
+
+
+def run_policies(args: argparse.Namespace, workdir: Path, cache_mib: int) -> dict[str, Any]:
+    """One daemon with all the memory, then the fleet under cache_aware and under round_robin."""
+    return {"cache_mib_each": cache_mib, "runs": [
+        run_policy(args, workdir, "one daemon", 1, "cache_aware", cache_mib * args.daemons),
+        run_policy(args, workdir, "cache_aware", args.daemons, "cache_aware", cache_mib),
+        run_policy(args, workdir, "round_robin", args.daemons, "round_robin", cache_mib)]}
+
+
+def run_policy(args: argparse.Namespace, workdir: Path, name: str, num_daemons: int, policy: str,
+               cache_mib: int) -> dict[str, Any]:
+    print(f"== {name}: {num_daemons} daemon(s) x {cache_mib} MiB, smg --policy {policy}", flush=True)
+    with Fleet(args.model, workdir / f"{name}-{cache_mib}", num_daemons, policy, cache_mib * MIB) as fleet:
+        order = workload(args.tenants, args.sessions, args.turns)
+        started = time.monotonic()
+        records = run_turns(fleet.router.url, fleet.token, args.model.name, order, args.system_words, args.max_tokens,
+                            args.concurrency, args.timeout)
+        wall_s = time.monotonic() - started
+        daemon_urls = [d.url for d in fleet.daemons]
+        stores = [d.store() for d in fleet.daemons]
+    if args.records is not None:
+        with open(args.records, "a") as out:
+            out.writelines(json.dumps({"run": name, "cache_mib": cache_mib, **r}) + "\n" for r in records)
+    summary = summarize(name, records, daemon_urls, wall_s)
+    summary["evictions_per_daemon"] = [store["num_evictions"] for store in stores]
+    summary["stored_mib_per_daemon"] = [round(store["num_bytes"] / MIB) for store in stores]
+    print(f"   reused {summary['reuse_share']:.1%} of prompt tokens, warm TTFT p50 {summary['warm_ttft_p50_s']:.3f} s, "
+          f"{summary['failed']} failed, {wall_s:.0f} s", flush=True)
+    return summary
+
+
+def run_fault(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Warm every tenant, then kill the busiest daemon under load and start it again from its disk cache."""
+    print(f"== fault: {args.daemons} daemons, cache_aware, one killed for {args.fault_seconds:.0f} s", flush=True)
+    daemon_args = ["--disk-cache-bytes", "1G", "--disk-save-interval", "1"]
+    with Fleet(args.model, workdir / "fault", args.daemons, "cache_aware", args.cache_mib[0] * MIB,
+               daemon_args) as fleet:
+        warm = run_turns(fleet.router.url, fleet.token, args.model.name, workload(args.tenants, 1, 1), args.system_words,
+                         args.max_tokens, args.concurrency, args.timeout)
+        home = {r["tenant"]: r["worker"] for r in warm if r["ok"]}
+        victim_url = max(set(home.values()), key=list(home.values()).count)
+        victim = fleet.daemons[fleet.daemon_at(victim_url)]
+        time.sleep(2.5)  # a disk save (every second) has written what the warm-up stored
+        stop = threading.Event()
+        # Sessions 1.. of every tenant, turn 0 only: each reuses its tenant's system prompt.
+        order = [t for t in workload(args.tenants, 400, 1, seed=1) if t.session > 0]
+        load: list[dict[str, Any]] = []
+        sender = threading.Thread(target=lambda: load.extend(run_turns(
+            fleet.router.url, fleet.token, args.model.name, order, args.system_words, args.max_tokens, args.concurrency,
+            args.timeout, stop)))
+        sender.start()
+        time.sleep(3.0)
+        killed_at = time.monotonic()
+        victim.kill()
+        print(f"   killed {victim.name}", flush=True)
+        time.sleep(args.fault_seconds)
+        victim.start()
+        back_at = time.monotonic()
+        print(f"   {victim.name} is back after {back_at - killed_at:.1f} s", flush=True)
+        time.sleep(max(30.0, 2 * args.fault_seconds))
+        stop.set()
+        sender.join()
+        summary = fault_summary(load, victim_url, [t for t, url in home.items() if url == victim_url],
+                                killed_at, back_at, [d.url for d in fleet.daemons])
+    print(f"   during the outage: {summary['outage_ok']} ok, {summary['outage_failed']} failed, "
+          f"slowest {summary['outage_max_s']:.1f} s; after: first request to it {summary['back_first_routed_s']} s "
+          f"after its restart, reused {summary['back_reuse_share']}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if find_smg() is None:
+        print("smg (Shepherd Model Gateway) is not installed: pip install smg (the test extra has it)", file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").exists():
+        print(f"no model at {args.model}: ./run setup imports SmolLM2, or pass --model", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pfx-router-") as tmp:
+        workdir = Path(tmp)
+        results = {
+            "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+            "machine": machine_meta(args, args.model),
+            "smg_version": SMG_VERSION,
+            "regimes": [run_policies(args, workdir, cache_mib) for cache_mib in args.cache_mib],
+        }
+        if not args.no_fault:
+            results["fault"] = run_fault(args, workdir)
+        results["machine"]["load_after"] = load_average()
+    report = render_report(results)
+    print(report)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "report.md").write_text(report)
+        print(f"wrote {args.out}/report.md and results.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
