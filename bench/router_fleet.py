@@ -52,7 +52,7 @@ def router_command(smg: str, policy: str, port: int, worker_urls: list[str], tok
         "--worker-urls", *worker_urls,
         "--policy", policy,  # cache_aware: an approximate radix tree of request text per daemon
         # Sent to every daemon as its bearer token (load polls, requests), and asked of the router's own clients.
-        "--api-key", token,
+        f"--api-key={token}",  # one word: a token may begin with "-", which argparse would take for a flag
         # Its own Prometheus page binds 0.0.0.0:29000 unless told otherwise.
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         # Probe every 5 s rather than every 60 s, so a daemon that died while idle is out, and one that
