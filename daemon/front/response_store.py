@@ -21,7 +21,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
@@ -53,6 +53,7 @@ class ResponseStore:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self.num_bytes = 0
         self._writes: set[asyncio.Task] = set()
+        self._file_work: dict[str, asyncio.Task] = {}  # the last file work queued for each response
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -100,7 +101,7 @@ class ResponseStore:
         return self.directory / f"{response_id}.json"
 
     def _write(self, response_id: str, record: dict[str, Any]) -> None:
-        self._in_background(asyncio.to_thread(_write_atomically, self._path(response_id), record), response_id)
+        self._in_order(response_id, lambda: _write_atomically(self._path(response_id), record))
 
     def _unlink(self, response_id: str) -> None:
         if self.directory is None:
@@ -110,14 +111,30 @@ class ResponseStore:
         except RuntimeError:  # load(), on its thread: no loop to hand the file to
             self._path(response_id).unlink(missing_ok=True)
             return
-        self._in_background(asyncio.to_thread(self._path(response_id).unlink, missing_ok=True), response_id)
+        self._in_order(response_id, lambda: self._path(response_id).unlink(missing_ok=True))
 
-    def _in_background(self, work: Any, response_id: str) -> None:
-        task = asyncio.ensure_future(work)
+    def _in_order(self, response_id: str, work: Callable[[], Any]) -> None:
+        """Run ``work`` on a thread after the earlier file work on the same response.
+
+        A response deleted (or evicted) right after it was stored has its write
+        and its unlink in flight together; on two threads the unlink could land
+        first and the deleted response would come back at the next start.
+        """
+        earlier = self._file_work.get(response_id)
+
+        async def after_earlier() -> None:
+            if earlier is not None:
+                await asyncio.gather(earlier, return_exceptions=True)
+            await asyncio.to_thread(work)
+
+        task = asyncio.ensure_future(after_earlier())
+        self._file_work[response_id] = task
         self._writes.add(task)
 
         def done(finished: asyncio.Task) -> None:
             self._writes.discard(finished)
+            if self._file_work.get(response_id) is finished:
+                del self._file_work[response_id]
             if not finished.cancelled() and finished.exception() is not None:
                 log.warning("response_file_failed", response_id=response_id, error=str(finished.exception()))
 
