@@ -42,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.models import base  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
 _rowwise = {"on": False}
 

@@ -35,7 +35,6 @@ import json
 import random
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time

@@ -137,7 +137,8 @@ def in_process_floor(model_dir: Path, tokens: list[int], chunk: int, repeats: in
 
 
 def bench_model(label: str, model_dir: Path, workdir: Path, args) -> dict:
-    print(f"\n=== {label}: {model_dir} ===  (load average {load_average()}: other work on this {os.cpu_count()}-core box skews absolute times)", flush=True)
+    print(f"\n=== {label}: {model_dir} ===  (load average {load_average()}: "
+          f"other work on this {os.cpu_count()}-core box skews absolute times)", flush=True)
     out: dict = {"model_dir": str(model_dir), "load_average_before": os.getloadavg()}
     with Daemon(model_dir, workdir, ["--prefill-chunk", str(args.prefill_chunk)]) as daemon:
         try:

@@ -46,7 +46,8 @@ vim.api.nvim_buf_set_lines(0, 0, -1, false, { 'def add(a, b):', '    return a + 
 def run_nvim(driver: str, socket: Path, tmp_path: Path) -> dict:
     script = tmp_path / "driver.lua"
     out = tmp_path / "out.json"
-    script.write_text(PRELUDE + "local ok, err = pcall(function()\n" + driver + "\nend)\nout.driver_error = not ok and tostring(err) or nil\nfinish()\n")
+    script.write_text(PRELUDE + "local ok, err = pcall(function()\n" + driver
+                      + "\nend)\nout.driver_error = not ok and tostring(err) or nil\nfinish()\n")
     proc = subprocess.run(
         [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "--cmd", f"set rtp^={PLUGIN_DIR}",
          "-c", "runtime plugin/prefixd.lua", "-c", f"luafile {script}", "-c", "qa!"],
