@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU figure of one session, in one device call (see ../shared/gpu/README.md for the set-up):
 #   source .gpu/b/install.sh && bash bench/gpu_session.sh STEP...    (KIT: where install.sh and floor.py are, default .gpu/b)
-# Steps: floor, batch, batchstep (bench/batch_step_probe.py), probe, firsthit (bench/first_hit_probe.py), probe-ragged (its part 4: a left-padded decode
-# batch), probe-conv (bench/conv_shape_probe.py: lfm2's short convolution at new tail lengths), probe-decode
-# (bench/decode_batch_probe.py: the daemon's decode batch step by step as the shared workload's rounds fill and
-# empty it; probe-decode-nographs: the same with MLX_USE_CUDA_GRAPHS=0), probe-chat (bench/chat_turn_probe.py: a warm
+# Steps: floor, batch, batchstep (bench/probes/batch_step_probe.py), probe, firsthit (bench/probes/first_hit_probe.py), probe-ragged (its part 4: a left-padded decode
+# batch), probe-conv (bench/probes/conv_shape_probe.py: lfm2's short convolution at new tail lengths), probe-decode
+# (bench/probes/decode_batch_probe.py: the daemon's decode batch step by step as the shared workload's rounds fill and
+# empty it; probe-decode-nographs: the same with MLX_USE_CUDA_GRAPHS=0), probe-chat (bench/probes/chat_turn_probe.py: a warm
 # chat turn's prefill, operation by operation), quick, full, chunk512, concurrency, lfm2-quick, lfm2-full; and
 # quick-fused, full-fused, lfm2-quick-fused: the same with --attention fused (MLX's own attention for
 # tails, to compare with the default matmul form on CUDA: models/tail_attention.py); probe-tails
 # (shape_probe parts 6-7), probe-tails-nographs (part 7 with MLX_USE_CUDA_GRAPHS=0), fuse
-# (bench/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting); quick-nographs,
+# (bench/probes/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting); quick-nographs,
 # full-nographs: every system with MLX_USE_CUDA_GRAPHS=0; agent, agent-quick, lfm2-agent (bench/agent_workload.py:
 # 4 agents x 8 turns on an ~8,000-token tool-laden system prompt, prefixd vs mlx-lm server; quick: 2 x 4 on 1,500).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
@@ -36,18 +36,18 @@ step() {  # step NAME COMMAND...: run it under the time left, log to $out/NAME.l
 for s in "$@"; do
   case $s in
     floor) step floor python3 "${KIT:-.gpu/b}"/floor.py /tmp/q06 4000 ;;
-    batch) step batch python3 bench/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
-    batchstep) step batchstep python3 bench/batch_step_probe.py /tmp/q06 --context 1000 --steps 40 ;;
-    probe) step probe python3 bench/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
-    probe-conv) step probe-conv python3 bench/conv_shape_probe.py /tmp/lfm2 --context 1000 --json "$out/probe-conv.json" ;;
-    probe-chat) step probe-chat python3 bench/chat_turn_probe.py /tmp/q06 --json "$out/probe-chat.json" ;;
-    probe-decode) step probe-decode python3 bench/decode_batch_probe.py /tmp/q06 --json "$out/probe-decode.json" ;;
-    probe-decode-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-decode-nographs python3 bench/decode_batch_probe.py /tmp/q06 --json "$out/probe-decode-nographs.json" ;;
-    probe-ragged) step probe-ragged python3 bench/first_hit_probe.py /tmp/q06 --parts 4 --json "$out/probe-ragged.json" ;;
-    firsthit) step firsthit python3 bench/first_hit_probe.py /tmp/q06 --json "$out/firsthit.json" ;;
-    probe-tails) step probe-tails python3 bench/shape_probe.py /tmp/q06 --context 3000 --parts 6,7 --json "$out/probe-tails.json" ;;
-    probe-tails-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-tails-nographs python3 bench/shape_probe.py /tmp/q06 --context 3000 --parts 7 ;;
-    fuse) step fuse python3 bench/cuda_cache_fuse.py /tmp/q06 ;;
+    batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
+    batchstep) step batchstep python3 bench/probes/batch_step_probe.py /tmp/q06 --context 1000 --steps 40 ;;
+    probe) step probe python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
+    probe-conv) step probe-conv python3 bench/probes/conv_shape_probe.py /tmp/lfm2 --context 1000 --json "$out/probe-conv.json" ;;
+    probe-chat) step probe-chat python3 bench/probes/chat_turn_probe.py /tmp/q06 --json "$out/probe-chat.json" ;;
+    probe-decode) step probe-decode python3 bench/probes/decode_batch_probe.py /tmp/q06 --json "$out/probe-decode.json" ;;
+    probe-decode-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-decode-nographs python3 bench/probes/decode_batch_probe.py /tmp/q06 --json "$out/probe-decode-nographs.json" ;;
+    probe-ragged) step probe-ragged python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 4 --json "$out/probe-ragged.json" ;;
+    firsthit) step firsthit python3 bench/probes/first_hit_probe.py /tmp/q06 --json "$out/firsthit.json" ;;
+    probe-tails) step probe-tails python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --parts 6,7 --json "$out/probe-tails.json" ;;
+    probe-tails-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-tails-nographs python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --parts 7 ;;
+    fuse) step fuse python3 bench/probes/cuda_cache_fuse.py /tmp/q06 ;;
     quick) step quick python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick" ;;
     full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;

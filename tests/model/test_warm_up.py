@@ -53,7 +53,7 @@ def test_the_warm_up_forks_every_segment_count_and_changes_no_answer(loaded):
 
 def test_the_decode_batch_is_warmed_through_joins_a_row_ending_inside_it_a_removal_and_the_return_to_solo(
         tiny_llama_dir, tiny_lfm2_dir, monkeypatch):
-    """What a first burst of concurrent requests would otherwise meet cold on a GPU (bench/decode_batch_probe.py)."""
+    """What a first burst of concurrent requests would otherwise meet cold on a GPU (bench/probes/decode_batch_probe.py)."""
     seen: list[tuple[str, int]] = []
 
     class Recording(batch_decoder.BatchDecoder):

@@ -10,7 +10,7 @@ keeps what it printed; its ``--json``-style output gives the answer and the
 client's own figure of cached prompt tokens (each API's native field, as the
 client reads it).
 
-Used by tests/e2e/test_agent_clients.py and bench/agent_clients.py. The
+Used by tests/e2e/test_agent_clients.py and bench/probes/agent_clients.py. The
 clients come from the project's ``.agents`` folder (``./run test`` installs
 pinned versions there with npm), else from ``PATH``.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a batched decode step's time goes, and what several short tails on one prefix cost.
 
-    python bench/batch_step_probe.py MODEL_DIR [--context 1000] [--steps 40] [--parts steps,sdpa,tails]
+    python bench/probes/batch_step_probe.py MODEL_DIR [--context 1000] [--steps 40] [--parts steps,sdpa,tails]
 
 On the H200 four sessions decoded only 1.9-2.2x faster in aggregate than one
 (issue 13 asks 3x), and eight sessions sending short questions on one cached
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 

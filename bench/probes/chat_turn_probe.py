@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a warm chat turn's prefill time goes, on the engine's own path, turn by turn.
 
-    python bench/chat_turn_probe.py MODEL_DIR [--turns 10] [--system-tokens 980] [--json OUT]
+    python bench/probes/chat_turn_probe.py MODEL_DIR [--turns 10] [--system-tokens 980] [--json OUT]
 
 On the H200 (bench/results/gpu/2026-12-04-d, run 2, full) each warm turn of
 compare.py's 10-turn chat prefilled 20-23 tokens, and the daemon's prefill
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> int:
     loaded = load_model(args.model)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, attention {loaded.attention}")
     print(f"warm-up {warm_up.run_all(warm_up.warm_up_steps(loaded)):.2f} s")
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     system_tokens = loaded.tokenizer.encode(readme)[: args.system_tokens]
     chat = [{"role": "system", "content": loaded.tokenizer.decode(system_tokens)}]
     store = PrefixStore(max_bytes=8 << 30, max_nodes=100_000, max_pinned_bytes=1 << 28)

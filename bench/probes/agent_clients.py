@@ -1,8 +1,8 @@
 """Run the real coding agents against prefixd by hand: two turns each, and what the cache did on each turn.
 
-    .venv/bin/python bench/agent_clients.py                       # the tiny 64k agent model (built offline)
-    .venv/bin/python bench/agent_clients.py --model ~/.local/share/prefixd/models/SmolLM2-135M-Instruct
-    .venv/bin/python bench/agent_clients.py --clients codex,agents-sdk --opencode-tools-off
+    .venv/bin/python bench/probes/agent_clients.py                       # the tiny 64k agent model (built offline)
+    .venv/bin/python bench/probes/agent_clients.py --model ~/.local/share/prefixd/models/SmolLM2-135M-Instruct
+    .venv/bin/python bench/probes/agent_clients.py --clients codex,agents-sdk --opencode-tools-off
 
 Starts a daemon of its own (HTTP on a free loopback port, its bearer token
 given to every client), then for each installed client (Codex CLI, Claude
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support.agent_clients import (CLIENTS, FIRST_PROMPT, SECOND_PROMPT, AgentClient, Endpoint,  # noqa: E402
                                          agents_sdk_turns, find_client)

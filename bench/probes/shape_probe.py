@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a forward pass at a length MLX has not run before costs, and whether padding to a few lengths avoids it.
 
-    python bench/shape_probe.py MODEL_DIR [--context 3000] [--json OUT]
+    python bench/probes/shape_probe.py MODEL_DIR [--context 3000] [--json OUT]
 
 On a GPU, chat and editor tails always have new lengths, and the first pass at
 a new length was seen to cost 60-130 ms more than a repeat (issue 13). This
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 

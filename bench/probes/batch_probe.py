@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What one decode step costs alone and in mlx-lm's BatchGenerator, step by step.
 
-    python bench/batch_probe.py MODEL_DIR [--context 1000] [--steps 48]
+    python bench/probes/batch_probe.py MODEL_DIR [--context 1000] [--steps 48]
 
 prefixd decodes a sequence that runs alone on its own cache (the solo path)
 and several at once in mlx-lm's BatchGenerator. On the H200, four sessions
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 

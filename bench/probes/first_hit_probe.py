@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What an exact cache hit costs the first time at a new depth, against its repeats.
 
-    python bench/first_hit_probe.py MODEL_DIR [--lengths 1500,3000,2200,3900] [--daemon-args "..."] [--json OUT]
+    python bench/probes/first_hit_probe.py MODEL_DIR [--lengths 1500,3000,2200,3900] [--daemon-args "..."] [--json OUT]
 
 On the H200 the repeat workload's first exact hit took 25 ms of prefill where
 its repeats took 7-10 ms (bench/compare.py, run E of 2026-12-04-b), and with
@@ -51,7 +51,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from prefixd.daemon.kv.fork import capture_segment, evaluate_fork, fork_cache  # noqa: E402
 from prefixd.daemon.kv.layout import make_cache_layout  # noqa: E402
-from harness import Daemon, connect, timed_generate  # noqa: E402 (bench/ is the script's own folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for harness
+from harness import Daemon, connect, timed_generate  # noqa: E402
 
 CHUNK = 2048
 

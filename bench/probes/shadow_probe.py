@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the shadow check costs real requests, and how far healthy cached runs drift from uncached ones.
 
-    python bench/shadow_probe.py MODEL_DIR [--context 2000] [--rounds 8] [--prefill-chunk 512]
+    python bench/probes/shadow_probe.py MODEL_DIR [--context 2000] [--rounds 8] [--prefill-chunk 512]
 
 Part 1, drift: ``prefixd verify``'s built-in prompt set (an exact repeat,
 partial hits at three depths, a chat's next turn, an edit near the end) on a
@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.harness import Daemon, connect, timed_generate  # noqa: E402
 from prefixd.client.verify_command import builtin_checks  # noqa: E402

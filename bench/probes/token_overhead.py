@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The daemon's own cost per decoded token: its decode rate against in-process mlx-lm's, same model and prompt.
 
-    python bench/token_overhead.py MODEL_DIR [MODEL_DIR ...] [--tokens 200] [--rounds 3]
+    python bench/probes/token_overhead.py MODEL_DIR [MODEL_DIR ...] [--tokens 200] [--rounds 3]
 
 For each model: greedy answers of ``--tokens`` tokens to one prompt, the
 daemon's (over its socket, its own decode timing: second token to last) and
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for harness
 
 from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How long a running request stalls while the daemon loads another model on demand.
 
-    .venv/bin/python bench/model_load_stall.py RUNNING_MODEL_DIR LOADING_MODEL_DIR
+    .venv/bin/python bench/probes/model_load_stall.py RUNNING_MODEL_DIR LOADING_MODEL_DIR
 
 One daemon serving both models (the first loads at start). A streamed request
 on the first one (up to 4,000 tokens) runs for 2 s, then a request for the
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.e2e.daemon_process import DaemonProcess, RawConnection  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does a hybrid model's short convolution cost a build per new tail length on CUDA, and would shifts avoid it?
 
-    python bench/conv_shape_probe.py MODEL_DIR [--context 1000] [--json OUT]     (an LFM2-family model)
+    python bench/probes/conv_shape_probe.py MODEL_DIR [--context 1000] [--json OUT]     (an LFM2-family model)
 
 On the H200 (bench/results/gpu/2026-12-04-c, run 5, lfm2-quick) a chat turn's
 tail of 32 tokens took 29.9 ms when a tail of that length had run before and

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """MLX's CUDA cache-thrashing fuse, and whether prefixd survives it (a GPU probe).
 
-    python bench/cuda_cache_fuse.py MODEL_DIR [--prompts 16] [--cache-size 4]
+    python bench/probes/cuda_cache_fuse.py MODEL_DIR [--prompts 16] [--cache-size 4]
 
 MLX's CUDA backend keeps cuDNN attention graphs in an LRU cache keyed by exact
 shapes and, unless MLX_ENABLE_CACHE_THRASHING_CHECK=0, raises "Cache thrashing
@@ -30,7 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import Daemon, connect, timed_generate  # bench/ is the script's own folder, first on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for harness
+
+from harness import Daemon, connect, timed_generate  # noqa: E402
 
 THRASH_ENV = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 

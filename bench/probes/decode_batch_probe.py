@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the shared workload's round-1 followers lose seconds: the daemon's own decode batch, step by step.
 
-    python bench/decode_batch_probe.py MODEL_DIR [--prefix 1986] [--rows 8] [--answer 12] [--json OUT]
+    python bench/probes/decode_batch_probe.py MODEL_DIR [--prefix 1986] [--rows 8] [--answer 12] [--json OUT]
 
 In every full bench/compare.py run on the H200 (bench/results/gpu/2026-12-04-c),
 round 1 of the shared workload went like this: the leader prefilled the

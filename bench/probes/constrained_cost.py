@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What constrained decoding costs per token: the same model and prompts, with and without a ``constraint``.
 
-    .venv/bin/python bench/constrained_cost.py [MODEL_DIR] [--rounds 3] [--max-tokens 48]
+    .venv/bin/python bench/probes/constrained_cost.py [MODEL_DIR] [--rounds 3] [--max-tokens 48]
 
 One daemon (default model SmolLM2-135M-Instruct), greedy, cache off so every
 request runs the same work. Each round runs, interleaved so that a busy
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import msgpack
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.harness import Daemon  # noqa: E402
 
