@@ -124,10 +124,9 @@ def _delegate(args: argparse.Namespace, rest: list[str]) -> int:
     if args.socket:
         os.environ[SOCKET_ENV] = args.socket  # the daemon binds default_socket_path(), which reads it
     if args.command == "config":  # the daemon's own --print-config, with the same flags as serve
-        from prefixd.daemon.service.main import main as daemon_main
+        from prefixd.daemon.service.main import print_config_main
 
-        form = "json" if "--json" in rest else "toml"
-        return daemon_main(["--print-config", form, *(arg for arg in rest if arg != "--json")]) or 0
+        return print_config_main(rest)
     if args.command == "serve":
         from prefixd.daemon.service.main import main as daemon_main
     else:

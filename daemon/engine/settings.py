@@ -1,4 +1,4 @@
-"""What the engine is told at start. The defaults live in one place: service/config.py's table."""
+"""What the engine is told at start. The defaults live in one place: the declarations in service/settings.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Command-line options of the editor-facing fronts: the HTTP API and who may connect.
+"""The HTTP fronts' settings, from the daemon's resolved configuration, and the bearer token.
 
-Kept apart from ``http_front`` so that ``prefixd serve`` can parse its
-arguments before anything imports MLX (the BLAS preload must come first).
+The flags themselves are declared with every other setting in
+service/settings.py. Kept apart from ``http_front`` so that ``prefixd serve``
+can read them before anything imports MLX (the BLAS preload must come first).
 
 The bearer token: over TCP the kernel names no peer, so without a token any
 local user could use the daemon, past ``--allow-uid``. So ``--http`` always
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import structlog
 
-from ...protocol.methods import MAX_TOKENS_LIMIT
 from .listener import make_private_directories
 
 TOKEN_ENV = "PREFIXD_HTTP_TOKEN"
@@ -47,19 +47,6 @@ class HttpSettings:
     token: str | None = None
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # /v1/responses without max_output_tokens
     keep_billing_header: bool = False  # Claude Code's billing line stays in the prompt (agent_prompts)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("editor fronts")
-    group.add_argument("--http", metavar="HOST:PORT", default=None, help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8080; loopback only unless a token is given); requests must carry the bearer token")
-    group.add_argument("--http-socket", metavar="PATH", type=Path, default=None, help="also serve the OpenAI-compatible HTTP API on this Unix socket (mode 0600; the peer's uid is checked, no token needed)")
-    group.add_argument("--http-token-file", metavar="FILE", type=Path, default=None, help=f"bearer token required on every HTTP request over TCP (first line of FILE; or ${TOKEN_ENV}; default: made once in $XDG_CONFIG_HOME/prefixd/{TOKEN_FILE_NAME})")
-    group.add_argument("--http-no-token", action="store_true", default=None, help="serve --http without a bearer token: any local user may then use the daemon over TCP (loopback only)")
-    group.add_argument("--max-output-tokens", metavar="N", type=int, default=None, help=f"answer length of a /v1/responses request that gives no max_output_tokens, as agent clients do (default {DEFAULT_MAX_OUTPUT_TOKENS}; cut to the room the context leaves)")
-    group.add_argument("--keep-billing-header", action="store_true", default=None, help="leave Claude Code's "
-                       "x-anthropic-billing-header line in the prompt (by default it is removed: it changes from task to "
-                       "task and tells the model nothing, and kept it stops the prefix cache a few tokens in)")
-    group.add_argument("--allow-uid", metavar="UID", type=int, action="append", default=[], help="also accept socket clients running as this uid (repeatable; default: only the daemon's own uid)")
 
 
 def http_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> HttpSettings | None:
@@ -92,8 +79,6 @@ def http_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
         log.warning("http_without_token", address=args.http, reason="--http-no-token: any local user may use the daemon over TCP")
     unix_path = args.http_socket.expanduser() if args.http_socket is not None else None
     max_output_tokens = getattr(args, "max_output_tokens", None) or DEFAULT_MAX_OUTPUT_TOKENS
-    if not 1 <= max_output_tokens <= MAX_TOKENS_LIMIT:
-        raise ValueError(f"--max-output-tokens {max_output_tokens} must be between 1 and {MAX_TOKENS_LIMIT}")
     return HttpSettings(host=host, port=port, unix_path=unix_path, token=token, max_output_tokens=max_output_tokens,
                         keep_billing_header=bool(getattr(args, "keep_billing_header", False)))
 

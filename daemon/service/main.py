@@ -19,69 +19,18 @@ from ..models.chat_template_file import ChatTemplateError, read_chat_templates
 from ..models.model_dirs import find_model_dirs
 from ..models.mlx_runtime_env import apply_daemon_defaults
 from .config import ConfigError, explicit_flags, load_config
-from .config import parse_size as parse_size_value
-
-
-def parse_size(text: str) -> int:
-    """'512M', '4G', '1.5GiB' or plain bytes."""
-    try:
-        return parse_size_value(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from .settings import add_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ...protocol.paths import default_socket_path
-
-    # Defaults live in config.OPTIONS: a flag that is left out leaves the
-    # setting to the environment, the config file, then the default.
-    parser = argparse.ArgumentParser(prog="prefixd serve", description="Run the prefixd daemon. Every flag can also be set as PREFIXD_<NAME> or in the config file (see prefixd config).")
+    # Each setting's flag comes from its declaration (settings.py). A flag left out
+    # leaves the setting to the environment, the config file, then the default.
+    parser = argparse.ArgumentParser(prog="prefixd serve", description="Run the prefixd daemon. Every flag can also "
+                                     "be set as PREFIXD_<NAME> or in the config file (see prefixd config); "
+                                     "docs/settings.md lists them all.")
     parser.add_argument("--config", type=Path, help="config file (default: $PREFIXD_CONFIG or $XDG_CONFIG_HOME/prefixd/config.toml)")
     parser.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "json"], help="print the effective configuration and where each value came from, then exit")
-    parser.add_argument("--model", action="append", help="MLX model directory or a locally cached Hugging Face id; repeat to load several (the first is the default); required here, in $PREFIXD_MODEL or in the config file")
-    parser.add_argument("--models-dir", type=Path, help="serve every model directory in this folder too (after the --model "
-                        "ones; the first --model, else the folder's first by name, is the default), each loaded on first use")
-    parser.add_argument("--chat-template", action="append", metavar="[NAME=]FILE", help="a Jinja chat template file "
-                        "replacing a model's own: FILE for the default model, NAME=FILE for the model of that name (as "
-                        "`prefixd models` lists it); repeat for several models. A template that reads tools takes them "
-                        "natively; a model whose template does not gets prefixd's generic tool section")
-    parser.add_argument("--socket", type=Path, help=f"Unix socket path (default: $PREFIXD_SOCKET or {default_socket_path()})")
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="cast unquantized weights (default auto: float32 on a Linux CPU, where it is the fast path)")
-    parser.add_argument("--cache-bytes", type=parse_size, help="prefix-cache budget (default: a quarter of RAM, at most 8G)")
-    parser.add_argument("--cache-entries", type=int, help="prefix-cache node limit (default 65536)")
-    parser.add_argument("--pinned-bytes", type=parse_size, help="budget for pinned prefixes (default: a quarter of --cache-bytes)")
-    parser.add_argument("--mlx-cache-bytes", type=parse_size, help="freed device memory MLX keeps for reuse "
-                        "(default: on a GPU a quarter of --cache-bytes, at least 256M; on a CPU, and MLX's own default, up to nearly all memory)")
-    parser.add_argument("--disk-cache-bytes", type=parse_size, help="keep the prefix cache on disk across restarts, within this budget (default 0: off)")
-    parser.add_argument("--cache-dir", type=Path, help="where the disk cache lives (default: $XDG_CACHE_HOME/prefixd/kv; macOS ~/Library/Caches/prefixd/kv)")
-    parser.add_argument("--disk-save-interval", type=float, help="seconds between saves of what changed (default 60; also saved at shutdown)")
-    parser.add_argument("--prefill-chunk", type=int, help="prefill chunk size in tokens, at least 16; every chunk end is a cache checkpoint (default 512 on a CPU, 2048 on a GPU)")
-    parser.add_argument("--max-active", type=int, help="sequences prefilling or decoding at once; the rest queue (default 16)")
-    parser.add_argument("--keep-alive", help="how long a model stays loaded once idle, unless a request says: seconds or a "
-                        "duration such as 5m; 0 unloads it after each request; negative keeps it (default -1: for good)")
-    parser.add_argument("--max-model-memory", type=parse_size, help="the loaded models' weights together; loading one more "
-                        "unloads the least recently used idle ones first (default 0: no limit)")
-    parser.add_argument("--shadow-rate", type=float, help="share of greedy cache hits the shadow check re-runs without the cache, "
-                        "when the engine is idle, to prove the cache gives the same output (default 0.05; 0: off)")
-    parser.add_argument("--shadow-action", choices=["log", "stop-reuse"], help="when a shadow check finds a difference: "
-                        "log it (default), or also stop reusing that checkpoint kind for that model until restart")
-    parser.add_argument("--attention", choices=["auto", "fused", "matmul"], help="attention for short multi-token passes (a cache hit's "
-                        "tail): matmul avoids MLX's per-shape cuDNN graph build on CUDA (default auto: matmul on a CUDA GPU, fused elsewhere)")
-    parser.add_argument("--warm-up", choices=["auto", "on", "off"], help="run a loaded model's cache-hit passes (forks of 1-8 "
-                        "stored segments, the last token's pass) once before it serves, so that the first hits do not build "
-                        "MLX's CUDA graphs while a client waits (default auto: on a GPU)")
-    parser.add_argument("--max-queued", type=int, help="queued requests in total before OVERLOADED (default 256)")
-    parser.add_argument("--max-queued-per-client", type=int, help="queued requests per connection before OVERLOADED (default 64)")
-    parser.add_argument("--grace-seconds", type=float, help="on SIGTERM, how long running requests may finish (default 10)")
-    parser.add_argument("--log-format", choices=["auto", "json", "console"], help="default auto: console on a terminal, else JSON lines")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
-    parser.add_argument("--status-interval", type=float, help="seconds between systemd STATUS= updates under Type=notify (default 5)")
-    http_options.add_arguments(parser)  # --http, --http-socket, --http-token-file, --allow-uid
-    parser.add_argument("--ranks", type=int, help="run N ranks on this machine through mlx.launch, each with its shard of the model (default 1)")
-    parser.add_argument("--distributed-backend", choices=["any", "ring", "nccl", "jaccl", "mpi"], help="MLX's backend between ranks (default any: what mlx.launch set up)")
-    parser.add_argument("--rank-timeout", type=float, help="seconds an engine iteration may take before the ranks are declared stuck (default 60)")
-    parser.add_argument("--parallel", choices=["tensor", "pipeline"], help="how each model is split over the ranks: tensor "
-                        "(mlx-lm's shard(): every layer's heads) or pipeline (its pipeline(): whole layers per rank); default tensor")
+    add_flags(parser)
     return parser
 
 

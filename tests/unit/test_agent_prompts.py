@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -51,9 +50,7 @@ def test_the_normalizer_counts_logs_once_and_can_be_switched_off():
 
 
 def test_keep_billing_header_is_a_flag_an_environment_variable_and_a_setting(tmp_path):
-    parser = argparse.ArgumentParser()
-    http_options.add_arguments(parser)
-    args = parser.parse_args(["--http", "127.0.0.1:8080", "--http-no-token", "--keep-billing-header"])
+    args = daemon_main.build_parser().parse_args(["--http", "127.0.0.1:8080", "--http-no-token", "--keep-billing-header"])
     assert http_options.http_settings(args, {}).keep_billing_header is True
     environ = {"XDG_CONFIG_HOME": str(tmp_path), "PREFIXD_KEEP_BILLING_HEADER": "true"}
     assert load_config(explicit_flags(daemon_main.build_parser, []), environ).values["keep_billing_header"] is True

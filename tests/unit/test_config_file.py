@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from prefixd.daemon.service import main as daemon_main
-from prefixd.daemon.service.config import NOT_CONFIG_KEYS, OPTIONS, ConfigError, explicit_flags, load_config
+from prefixd.daemon.service.config import NOT_CONFIG_KEYS, ConfigError, explicit_flags, load_config
+from prefixd.daemon.service.settings import SETTINGS
 
 
 @pytest.fixture
@@ -99,11 +100,11 @@ def test_printed_configuration_is_a_config_file_that_reads_back(env, tmp_path):
 
 
 def test_every_serve_flag_is_a_setting():
-    """A new flag must be added to config.OPTIONS, or it cannot be set in the file or environment."""
+    """A new flag must be declared in settings.SETTINGS, or it cannot be set in the file or environment."""
     dests = {action.dest for action in daemon_main.build_parser()._actions}
-    assert dests - set(NOT_CONFIG_KEYS) == set(OPTIONS)
-    for key in OPTIONS:
-        assert OPTIONS[key].flag in daemon_main.build_parser().format_help()
+    assert dests - set(NOT_CONFIG_KEYS) == set(SETTINGS)
+    for key in SETTINGS:
+        assert SETTINGS[key].flag in daemon_main.build_parser().format_help()
 
 
 def test_print_config_main(env, capsys):

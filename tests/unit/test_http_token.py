@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import stat
 
 import pytest
 
-from prefixd.daemon.front import http_options
 from prefixd.daemon.front.http_options import http_settings, read_or_create_token
+from prefixd.daemon.service.main import build_parser
 
 
 def settings(environ: dict[str, str], *argv: str):
-    parser = argparse.ArgumentParser()
-    http_options.add_arguments(parser)
-    return http_settings(parser.parse_args(argv), environ)
+    return http_settings(build_parser().parse_args(argv), environ)
 
 
 @pytest.fixture
