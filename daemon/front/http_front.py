@@ -21,11 +21,11 @@ Every refused request (a 4xx, or a 5xx the front chose) leaves one
 ``http_refused`` log line with its status and message; an unknown route's 404
 says the route does not exist and lists those that do.
 
-Slow clients: each request must arrive whole, head and body, within
-``read_timeout`` seconds of the connection being ready for it (accepted, or
-done with its previous reply); otherwise the connection is closed. aiohttp
-has no such limit of its own, so every connection's protocol sits behind a
-``_ReadDeadline``. Replies, streamed ones included, are not limited.
+Slow clients: a request's head must arrive within ``header_timeout`` seconds
+of its first byte and its body within ``body_timeout`` seconds of the head,
+or the connection is closed; an idle connection is closed after
+``keepalive_timeout`` (http_connection, where a request aiohttp's parser
+refuses is also logged as the client's fault). Replies are not limited.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, respo
 from . import openai_shapes as shapes
 from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
+from .http_connection import (BODY_TIMEOUT_SECONDS, HEADER_TIMEOUT_SECONDS, KEEPALIVE_TIMEOUT_SECONDS, GuardedConnection,
+                              guard_of)
 from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
 from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
 from .listener import SocketFile, bind_unix_socket
@@ -55,14 +57,15 @@ from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
 from .response_store import ResponseStore
 
 log = structlog.get_logger("prefixd.http")
-READ_TIMEOUT_SECONDS = 30.0  # for one request's head and body; generous for a local client on any link
 
 
 class HttpFront:
     """The running HTTP front: its addresses, its jobs, and ``cleanup()`` to stop it."""
 
-    def __init__(self, app: web.Application, unix_path: Path | None, token: str | None, peer_policy: PeerPolicy, shutdown_timeout: float):
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    def __init__(self, app: web.Application, unix_path: Path | None, token: str | None, peer_policy: PeerPolicy,
+                 shutdown_timeout: float, keepalive_timeout: float):
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout,
+                                    keepalive_timeout=keepalive_timeout)
         self.servers: list[asyncio.AbstractServer] = []  # listening; connections go to self.runner.server
         self.unix_path = unix_path
         self.socket_file: SocketFile | None = None  # what we bound at unix_path, the one file cleanup removes
@@ -108,7 +111,9 @@ async def start_http_front(
     token: str | None = None,
     peer_policy: PeerPolicy | None = None,
     shutdown_timeout: float = 10.0,
-    read_timeout: float = READ_TIMEOUT_SECONDS,
+    header_timeout: float = HEADER_TIMEOUT_SECONDS,
+    body_timeout: float = BODY_TIMEOUT_SECONDS,
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT_SECONDS,
     responses_dir: Path | None = None,
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
     keep_billing_header: bool = False,
@@ -116,7 +121,8 @@ async def start_http_front(
     """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``.
 
     ``token``: the bearer token TCP requests must carry (None: none asked for).
-    ``read_timeout``: seconds a request's head and body may take to arrive.
+    ``header_timeout`` / ``body_timeout``: seconds a request's head (from its first byte) and its body (from the
+    head) may take to arrive; ``keepalive_timeout``: seconds an idle connection is kept (http_connection).
     ``responses_dir``: where stored Responses-API responses outlive a restart (None: in memory only).
     ``max_output_tokens``: the answer length of a /v1/responses request that names none.
     ``keep_billing_header``: leave Claude Code's billing line in its prompts (agent_prompts).
@@ -137,7 +143,7 @@ async def start_http_front(
     metrics.add_routes(app.router, handlers)
     router_api.add_routes(app.router)  # /health, /v1/loads and the info a router in front reads
     path = Path(unix_path).expanduser() if unix_path is not None else None
-    front = HttpFront(app, path, token, peer_policy or PeerPolicy(), shutdown_timeout)
+    front = HttpFront(app, path, token, peer_policy or PeerPolicy(), shutdown_timeout, keepalive_timeout)
     app[HANDLERS_KEY] = handlers
     app[FRONT_KEY] = front
     app[anthropic_api.NORMALIZER_KEY] = PromptNormalizer(keep_billing_header, handlers.prompts_normalized)
@@ -148,8 +154,8 @@ async def start_http_front(
     await front.runner.setup()
     loop = asyncio.get_running_loop()
 
-    def new_connection() -> _ReadDeadline:
-        return _ReadDeadline(front.runner.server(), read_timeout)
+    def new_connection() -> GuardedConnection:
+        return GuardedConnection(front.runner.server(), header_timeout, body_timeout)
 
     try:
         if host is not None:
@@ -160,74 +166,9 @@ async def start_http_front(
     except BaseException:
         await front.cleanup()
         raise
-    log.info("http_started", addresses=[str(a) for a in front.addresses], token=bool(token), read_timeout_s=read_timeout)
+    log.info("http_started", addresses=[str(a) for a in front.addresses], token=bool(token),
+             header_timeout_s=header_timeout, body_timeout_s=body_timeout, keepalive_timeout_s=keepalive_timeout)
     return front
-
-
-# -- the read deadline: a request's head and body must arrive in time ---------------------
-
-
-class _ReadDeadline(asyncio.Protocol):
-    """aiohttp's protocol for one connection, plus a deadline for the request being read.
-
-    The deadline starts when the connection is accepted and again after each
-    reply; the middleware stops it once a request's body is read. When it
-    passes, the connection is closed: a client that sent half a request and
-    stopped holds nothing open for long.
-    """
-
-    def __init__(self, inner: asyncio.Protocol, timeout: float):
-        self.inner = inner
-        self.timeout = timeout
-        self.transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def start(self) -> None:
-        """(Re)start the deadline for the next request on this connection."""
-        self.stop()
-        if self.transport is not None and not self.transport.is_closing():
-            self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expire)
-
-    def stop(self) -> None:
-        """The request is in: no deadline while it is answered."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expire(self) -> None:
-        self._timer = None
-        peername = self.transport.get_extra_info("peername") if self.transport else None
-        log.warning("http_read_timeout", peer=str(peername) if peername else None, timeout_s=self.timeout)
-        if self.transport is not None:
-            self.transport.close()
-
-    # -- asyncio.Protocol: pass everything on to aiohttp -----------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.inner.connection_made(transport)
-        self.start()
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.stop()
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-
-def _deadline_of(request: web.Request) -> _ReadDeadline | None:
-    protocol = request.transport.get_protocol() if request.transport is not None else None
-    return protocol if isinstance(protocol, _ReadDeadline) else None
 
 
 # -- middleware: errors in OpenAI's shape, bearer token, peer check, body, log context ------
@@ -235,15 +176,18 @@ def _deadline_of(request: web.Request) -> _ReadDeadline | None:
 
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    deadline = _deadline_of(request)
+    guard = guard_of(request)
+    if guard is not None:
+        guard.head_arrived(request)  # the body's deadline starts
     try:
-        return await _answer(request, handler, deadline)
+        return await _answer(request, handler, guard)
     finally:
-        if deadline is not None:
-            deadline.start()  # the next request on this connection gets its own time
+        if guard is not None:
+            guard.reply_done()  # the next request on this connection gets its own time
 
 
-async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]], deadline: _ReadDeadline | None) -> web.StreamResponse:
+async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                  guard: GuardedConnection | None) -> web.StreamResponse:
     front: HttpFront = request.app[FRONT_KEY]
     sock = request.transport.get_extra_info("socket") if request.transport else None
     peer = peer_credentials(sock)
@@ -265,8 +209,8 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
     try:
         if request.body_exists:
             await request.read()  # under the deadline; the endpoints then parse the cached bytes
-        if deadline is not None:
-            deadline.stop()
+        if guard is not None:
+            guard.body_arrived()
         return await handler(request)
     except RpcError as err:
         error = http_errors.error_for_path(request.path, err)
