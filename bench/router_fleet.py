@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def router_command(smg: str, policy: str, port: int, worker_urls: list[str], token: str, metrics_port: int) -> list[str]:
-    """The router's command line: the cache-aware configuration of README's *Many daemons behind a router*."""
+    """The router's command line: the cache-aware configuration of docs/scaling.md, *Many daemons behind a router*."""
     return [
         smg, "launch", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *worker_urls,

@@ -18,7 +18,7 @@
 #
 # The router flags are those of bench/router_fleet.py (router_command), which the benchmark and the tests run.
 # Daemons on other machines: start each with `prefixd serve --http 0.0.0.0:PORT --http-token-file FILE`, then
-# run the `"$SMG" launch` line below with their URLs (README, "Many daemons behind a router").
+# run the `"$SMG" launch` line below with their URLs (docs/scaling.md, "Many daemons behind a router").
 set -euo pipefail
 
 model=${1:?usage: serve_many.sh MODEL_DIR [NUM_DAEMONS]}

@@ -1,4 +1,4 @@
-"""Cache hints as an editor uses them (README, "Cache hints for editors"), on the msgpack socket.
+"""Cache hints as an editor uses them (docs/editors.md, "Cache hints for editors"), on the msgpack socket.
 
 cache.warm: prefill the context while the user types, so the request that
 follows is a warm hit and says how much prefill time it saved.

@@ -166,7 +166,7 @@ class Codex(AgentClient):
 
 
 def codex_config(endpoint: Endpoint) -> str:
-    """~/.codex/config.toml for prefixd (the README's copy)."""
+    """~/.codex/config.toml for prefixd (the copy in docs/agents.md)."""
     return (f'model = "{endpoint.model}"\n'
             'model_provider = "prefixd"\n'
             f"model_context_window = {endpoint.context}\n"
@@ -232,7 +232,7 @@ class OpenCode(AgentClient):
 
 
 def opencode_config(endpoint: Endpoint, tools: bool = True) -> dict[str, Any]:
-    """opencode.json for prefixd (the README's copy); ``tools=False`` turns every tool off."""
+    """opencode.json for prefixd (the copy in docs/agents.md); ``tools=False`` turns every tool off."""
     config: dict[str, Any] = {
         "$schema": "https://opencode.ai/config.json",
         "provider": {"prefixd": {

@@ -1,4 +1,4 @@
--- Commands of the prefixd plugin; the module loads on first use. See "Neovim" in prefixd's README.
+-- Commands of the prefixd plugin; the module loads on first use. See docs/editors.md, "Neovim", in prefixd's repository.
 if vim.g.loaded_prefixd then
   return
 end
