@@ -1,6 +1,6 @@
 """Figures, targets and output (Markdown, JSON) for bench/agent_workload.py.
 
-All ratios are prefixd / mlx-lm server from the same run. Targets (issue 29): on a GPU, warm TTFT
+All ratios are prefixd / mlx-lm server from the same run. Targets: on a GPU, warm TTFT
 p50 <= 0.5x and wall time <= 0.7x mlx-lm server's; on a CPU, warm TTFT p50 <= 0.7x.
 """
 

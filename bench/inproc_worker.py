@@ -77,7 +77,7 @@ def generate(model, tokenizer, messages: list[dict], max_tokens: int) -> dict:
 
 
 def warm_hit_floor(model, tokenizer, messages: list[dict], repeats: int) -> dict:
-    """The least a warm exact hit can cost in process (issue 13's floor): a copy of a ready cache of every
+    """The least a warm exact hit can cost in process (the floor compare.py's targets use): a copy of a ready cache of every
     prompt token but the last, that last token's forward pass, and its argmax; the median of ``repeats``
     after one untimed run. No template, no tokenizing, no socket: what a server adds shows against it."""
     prompt = chat_tokens(tokenizer, messages)

@@ -19,7 +19,7 @@ the most tenants is killed (SIGKILL) under load and started again on the same
 port. Each reply's ``usage.prompt_tokens_details.cached_tokens`` gives the
 reuse; the router's ``x-smg-routed-worker-id`` header names the daemon.
 
-Targets (issue 33): cache_aware's reused share within 5 points of one daemon's,
+Targets: cache_aware's reused share within 5 points of one daemon's,
 and at least twice round_robin's. Writes report.md and results.json to --out.
 """
 
