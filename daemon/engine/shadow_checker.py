@@ -59,7 +59,7 @@ class ShadowChecker:
         self.counts: dict[str, Counter[str]] = {}  # model -> outcome -> runs
         self._distrusted: dict[str, set[str]] = {}  # model -> checkpoint kinds it no longer reuses
         # The longest single shadow pass since start: the most a real request
-        # arriving mid-pass can have waited for the check (bench/shadow_probe.py).
+        # arriving mid-pass can have waited for the check (bench/probes/shadow_probe.py).
         self.longest_pass_ms = 0.0
 
     # -- what gets checked -----------------------------------------------------------------
