@@ -32,7 +32,7 @@ TOP_LOGPROBS_COMPARED = 8
 # cached and an uncached run before it counts as a mismatch. A cached run
 # computes its tail in passes of other shapes than an uncached one, so some
 # rounding difference is expected; a corrupted entry moves them by whole nats.
-# Measured with bench/shadow_probe.py: see the README's "The shadow check".
+# Healthy drift measures far below these (docs/decisions.md).
 LOGIT_TOLERANCE_NATS = {"float32": 1e-3}
 LOW_PRECISION_TOLERANCE_NATS = 0.1  # float16, bfloat16 and quantized weights
 
