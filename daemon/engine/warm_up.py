@@ -1,16 +1,16 @@
 """Run once at load the paths a model's first requests would otherwise compile and build while a client waits.
 
-Measured on an H200 in a fresh daemon (bench/first_hit_probe.py, 2026-12-04):
+On CUDA a fresh daemon's first requests would otherwise wait for (seconds in all; the figures are in
+docs/decisions.md):
 
-* MLX compiles some kernels at their first use in a process (NVRTC; the
-  compiled code is cached under /tmp/mlx): the first request's first decode
-  steps took 3.5 s, the first decode step of a batch of two rows 2.7 s, the
-  first shadow check held the engine (and the request behind it) 5.2 s;
-* MLX replays each evaluation as CUDA graphs, built the first time a graph
-  topology is met and cached per stream (mlx/backend/cuda/device.cpp). A fork
-  of S stored segments has a topology of its own per S (kv/fork.py,
-  ``evaluate_fork``), and so has the last-token pass on a fork: each exact hit
-  at a segment count not met before cost 14-19 ms more than its repeats.
+* MLX compiling some kernels at their first use in a process (NVRTC; the
+  compiled code is cached on disk): the first decode steps, the first step
+  of a batch, the first shadow check;
+* MLX building CUDA graphs the first time a graph topology is met, cached per
+  stream (mlx/backend/cuda/device.cpp). A fork of S stored segments has a
+  topology of its own per S (kv/fork.py, ``evaluate_fork``), and so has the
+  last-token pass on a fork: each exact hit at a segment count not met before
+  costs more than its repeats.
 
 So a model's load ends with: forks of 1 to ``WARM_SEGMENTS`` segments of a few
 made-up tokens, each followed by the last-token pass, and forks of up to
@@ -120,10 +120,9 @@ def _decode_paths(loaded: LoadedModel, fork: Callable[[int], list[Any]], last_to
     2. a sampled one joins at a shallower depth, then a third, shallower
        still: the batch is left-padded and attends through an array mask;
     3. the first row's answer ends inside the batch: its cache is extracted
-       and the others are filtered and shifted left. On an H200 the first
-       such step in a process took 3.7 s, every later one 30-60 ms
-       (bench/decode_batch_probe.py, round 1 against round 2): it was what
-       kept the shared workload's followers waiting after their leader ended;
+       and the others are filtered and shifted left. On CUDA the first such
+       step in a process costs seconds, later ones tens of milliseconds: cold,
+       it holds the requests that joined a batch after their leader ended;
     4. a row is taken out (what a stop string or a cancel does);
     5. the last row goes back to the solo path (attention-only models), and is taken out.
     """
