@@ -6,6 +6,7 @@ tests drive the store with fakes. Only the engine thread uses it.
 
 from .cache_report import CacheReport
 from .eviction import LruPolicy, RecencyCostPolicy
+from .kv_budget import KvBudget
 from .prefix_store import PrefixStore
 from .store_types import (CHECKPOINT_KINDS, CacheStats, CheckpointKind, Checkpoints, HitKind, InsertResult, Lease,
                           Match, MissReason, NotStored, PinBudgetExceeded, PinResult, PrefixStoreError, Segment,
@@ -13,6 +14,6 @@ from .store_types import (CHECKPOINT_KINDS, CacheStats, CheckpointKind, Checkpoi
 
 __all__ = [
     "CHECKPOINT_KINDS", "CacheReport", "CacheStats", "CheckpointKind", "Checkpoints", "HitKind", "InsertResult",
-    "Lease", "LruPolicy", "Match", "MissReason", "NotStored", "PinBudgetExceeded", "PinResult", "PrefixStore",
+    "KvBudget", "Lease", "LruPolicy", "Match", "MissReason", "NotStored", "PinBudgetExceeded", "PinResult", "PrefixStore",
     "PrefixStoreError", "RecencyCostPolicy", "Segment", "Snapshot", "StoreStats", "StoredEdge",
 ]

@@ -18,6 +18,7 @@ import heapq
 import itertools
 from typing import Callable, Iterable, Protocol
 
+from .kv_budget import KvBudget
 from .radix_tree import Node, require
 
 MIB = 1024 * 1024
@@ -131,19 +132,27 @@ class EvictionHeap:
 
 
 class Budget:
-    """Global limits on bytes, nodes and pinned bytes, and eviction to keep them."""
+    """Global limits on bytes, nodes and pinned bytes, and eviction to keep them.
 
-    def __init__(self, max_bytes: int, max_nodes: int, max_pinned_bytes: int,
+    The byte limit is the KV budget's store capacity (kv_budget.py), read
+    whenever room is made: it shrinks while running sequences hold part of
+    the budget.
+    """
+
+    def __init__(self, kv_budget: KvBudget, max_nodes: int, max_pinned_bytes: int,
                  policy: EvictionPolicy):
-        if max_bytes < 0 or max_nodes < 0 or not 0 <= max_pinned_bytes <= max_bytes:
-            raise ValueError("need max_bytes >= 0, max_nodes >= 0 and "
-                             "0 <= max_pinned_bytes <= max_bytes")
-        self.max_bytes = max_bytes
+        if max_nodes < 0 or not 0 <= max_pinned_bytes <= kv_budget.total_bytes:
+            raise ValueError("need max_nodes >= 0 and 0 <= max_pinned_bytes <= max_bytes")
+        self.kv_budget = kv_budget
         self.max_nodes = max_nodes
         self.max_pinned_bytes = max_pinned_bytes
         self.policy = policy
         self.total = Ledger()
         self._heap = EvictionHeap(policy, self.is_evictable)
+
+    @property
+    def max_bytes(self) -> int:
+        return self.kv_budget.store_capacity
 
     @property
     def free_bytes(self) -> int:

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Callable, Iterator, NamedTuple
 
 from .eviction import Budget, EvictionPolicy, Ledger, RecencyCostPolicy, RecomputeSeconds, default_recompute_seconds
+from .kv_budget import KvBudget
 from .lookup_counters import LookupCounters
 from .radix_tree import (Node, check_edges, check_payload, descendants, longest_head, require, snapshot_nbytes,
                          touch, walk)
@@ -69,20 +70,23 @@ class _Step(NamedTuple):
 class PrefixStore:
     """Radix trees of KV segments, one per namespace, under global budgets.
 
-    ``max_bytes`` bounds stored payload bytes, ``max_nodes`` the number of
-    nodes, ``max_pinned_bytes`` the bytes of pinned paths. Eviction removes
+    ``max_bytes`` bounds stored payload bytes (a KvBudget: its store capacity,
+    what running sequences leave), ``max_nodes`` the number of nodes,
+    ``max_pinned_bytes`` the bytes of pinned paths. Eviction removes
     unlocked, unpinned leaves in the order of ``policy`` (default:
     RecencyCostPolicy built from ``recompute_seconds``, see eviction.py).
     """
 
-    def __init__(self, max_bytes: int, max_nodes: int, max_pinned_bytes: int,
+    def __init__(self, max_bytes: int | KvBudget, max_nodes: int, max_pinned_bytes: int,
                  clock: Callable[[], float] = time.monotonic,
                  recompute_seconds: RecomputeSeconds | None = None,
                  policy: EvictionPolicy | None = None):
         if policy is not None and recompute_seconds is not None:
             raise ValueError("recompute_seconds only configures the default policy")
         policy = policy or RecencyCostPolicy(recompute_seconds or default_recompute_seconds)
-        self.budget = Budget(max_bytes, max_nodes, max_pinned_bytes, policy)
+        self.kv_budget = max_bytes if isinstance(max_bytes, KvBudget) else KvBudget(max_bytes)
+        self.budget = Budget(self.kv_budget, max_nodes, max_pinned_bytes, policy)
+        self.kv_budget.attach(self)
         self._clock = clock
         self._namespaces: dict[str, _Namespace] = {}
         self._lookups = LookupCounters()
@@ -380,18 +384,11 @@ class PrefixStore:
         """Evict unlocked, unpinned leaves until num_bytes are freed; return bytes freed."""
         return self.budget.evict(num_bytes)
 
-    def set_capacity(self, max_bytes: int) -> int:
-        """From now on hold at most ``max_bytes`` (the rest of the budget is lent to running sequences).
-
-        Evicts down to it as far as locks and pins allow, and returns the
-        capacity in force: ``max_bytes``, or what could not be evicted if that
-        is more. Inserts then cut off at the capacity, as at any budget.
-        """
-        target = max(0, max_bytes)
-        if self.budget.total.num_bytes > target:
-            self.budget.evict(self.budget.total.num_bytes - target)
-        self.budget.max_bytes = max(target, self.budget.total.num_bytes)
-        return self.budget.max_bytes
+    def evict_down_to(self, max_bytes: int) -> int:
+        """Evict until at most ``max_bytes`` are held, as far as leases and pins allow; return the bytes held."""
+        if self.budget.total.num_bytes > max_bytes:
+            self.budget.evict(self.budget.total.num_bytes - max_bytes)
+        return self.budget.total.num_bytes
 
     def drop_namespace(self, namespace: str) -> None:
         """Forget a namespace, pins and leases included (releasing those still works)."""

@@ -18,7 +18,7 @@ from typing import Any, Callable, Generator, TypeVar
 import structlog
 
 from ...protocol.errors import ErrorCode, RpcError
-from ..cache import PrefixStore
+from ..cache import KvBudget, PrefixStore
 from ..models.loaded_model import LoadedModel, ModelCard, load_model
 from ..models.model_catalog import CatalogEntry, describe_models
 from ..models.staged_load import load_in_steps
@@ -348,8 +348,9 @@ class Engine:
         self.cards = {name: entry.card for name, entry in self.catalog.items()}
         self.model_names = tuple(self.catalog)
         self.default_model = self.model_names[0] if self.model_names else None
+        kv_budget = KvBudget(self.settings.cache_bytes)  # the store's and the running sequences', together
         self.store = PrefixStore(
-            max_bytes=self.settings.cache_bytes,
+            max_bytes=kv_budget,
             max_nodes=self.settings.cache_nodes,
             max_pinned_bytes=self.settings.pinned_bytes,
             clock=self.store_clock,
@@ -359,7 +360,7 @@ class Engine:
             self.store,
             chunk_size=self.prefill_chunk,
             max_active=self.settings.max_active,
-            kv_budget_bytes=self.settings.cache_bytes,
+            kv_budget=kv_budget,
             resolve_model=self.model_for,
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,

@@ -11,17 +11,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..cache import PrefixStore
+from ..cache import KvBudget, PrefixStore
 from ..models.loaded_model import LoadedModel
 from .jobs import DONE, FAILED, GenerateJob
 from .scheduler import Scheduler
 
 
-def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore | None, chunk_size: int = 512,
-               kv_budget_bytes: int = 8 << 30) -> list[dict]:
+# Without a store, only the jobs' own KV counts against the budget.
+STORELESS_KV_BUDGET_BYTES = 8 << 30
+
+
+def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore | None,
+               chunk_size: int = 512) -> list[dict]:
     """Run ``jobs`` together (continuous batching) and return their final results in order.
 
-    A job that fails raises its RpcError here.
+    The jobs' KV shares the store's budget with what it holds. A job that fails raises its RpcError here.
     """
     finals: dict[int, tuple[str, Any]] = {}
 
@@ -34,7 +38,8 @@ def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore 
 
         return dataclasses.replace(job, emit=emit)  # same id and cancel flag, results collected here
 
-    scheduler = Scheduler(store, chunk_size, max_active=len(jobs), kv_budget_bytes=kv_budget_bytes,
+    kv_budget = store.kv_budget if store is not None else KvBudget(STORELESS_KV_BUDGET_BYTES)
+    scheduler = Scheduler(store, chunk_size, max_active=len(jobs), kv_budget=kv_budget,
                           resolve_model=lambda _: loaded)
     for job in jobs:
         admitted = scheduler.admit(collecting(job))

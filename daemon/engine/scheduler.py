@@ -25,7 +25,7 @@ import structlog
 
 from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from ..cache import CacheReport, PrefixStore
+from ..cache import CacheReport, KvBudget, PrefixStore
 from ..common_prefix import common_prefix_length
 from ..kv.fork import capture_snapshot
 from ..models.loaded_model import LoadedModel
@@ -51,7 +51,6 @@ MAX_SHORT_TAILS_PER_STEP = 8
 MIN_SHARED_TOKENS_TO_WAIT = 256
 # A long prompt passed over this many times in a row by short tails gets its chunk before more tails.
 MAX_SKIPS_FOR_SHORT_TAILS = 4
-SIDE_EVICTION_SHARE = 16  # a shadow run may evict stored entries for at most 1/16 of the KV budget
 
 
 class Scheduler:
@@ -60,7 +59,7 @@ class Scheduler:
         store: PrefixStore | None,
         chunk_size: int,
         max_active: int,
-        kv_budget_bytes: int,
+        kv_budget: KvBudget,
         resolve_model: Callable[[str | None], LoadedModel],
         shadow_rate: float = 0.0,
         shadow_action: str = "log",
@@ -68,7 +67,7 @@ class Scheduler:
         self.store = store
         self.chunk_size = chunk_size
         self.max_active = max_active
-        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_budget = kv_budget  # shared with the store: it holds what running sequences leave
         self.resolve_model = resolve_model
         self.active: list[SequenceState] = []
         self._prefill_turns: deque[SequenceState] = deque()
@@ -76,8 +75,7 @@ class Scheduler:
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         # Seconds spent prefilling and decoding since both last had work (see step).
         self._prefill_s = self._decode_s = 0.0
-        self.side_reserved_bytes = 0  # KV that is no running request's: the shadow check's run
-        self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=self.reserve_side)
+        self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=kv_budget.reserve_side)
         # A decision taken from this process's clock; ranks in lock-step all take rank 0's (distributed/).
         self.agree: Callable[[bool], bool] = lambda decision: decision
         self.decode_stream: Any = None  # None: each decode batch gets a stream of its own (batch_decoder.py)
@@ -120,25 +118,25 @@ class Scheduler:
     def _reserve_memory(self, seq: SequenceState) -> bool:
         """Running sequences and the prefix store share one budget, and it holds at every moment.
 
-        Each sequence reserves what its KV can grow to; the store's capacity
-        is the budget minus every reservation (store.set_capacity evicts down
-        to it), so inserts during prefill and answer stores cannot push the
-        sum past ``kv_budget_bytes``.
+        Each sequence reserves what its KV can grow to before it runs; the
+        store holds at most the rest of the KV budget and evicts down to it
+        (cache/kv_budget.py), so inserts during prefill and answer stores
+        cannot push the sum past ``--cache-bytes``.
         """
         seq.kv_bytes_estimate = _sequence_bytes(seq)
-        if seq.kv_bytes_estimate > self.kv_budget_bytes:
+        if seq.kv_bytes_estimate > self.kv_budget.total_bytes:
             raise RpcError(
                 ErrorCode.OVERLOADED,
                 f"this request needs about {seq.kv_bytes_estimate >> 20} MiB of KV cache; the budget is "
-                f"{self.kv_budget_bytes >> 20} MiB (--cache-bytes); lower max_tokens or shorten the prompt",
+                f"{self.kv_budget.total_bytes >> 20} MiB (--cache-bytes); lower max_tokens or shorten the prompt",
             )
-        reserved = self._reserved_bytes(extra=seq)
-        if reserved > self.kv_budget_bytes and (self.active or self.side_reserved_bytes):
+        running = self._running_bytes(extra=seq)
+        if not self.kv_budget.fits_running(running):
             return False  # the engine gives it the shadow run's room, or it waits for a running one to end
-        self._lend_to_running(reserved)
+        self.kv_budget.reserve_running(running)
         return True
 
-    def _reserved_bytes(self, extra: SequenceState | None = None) -> int:
+    def _running_bytes(self, extra: SequenceState | None = None) -> int:
         """What the running sequences' KV may grow to, batch padding included.
 
         A model's decode batch pads every row to its longest, so its rows are
@@ -152,28 +150,7 @@ class Scheduler:
             loaded = rows[0].loaded
             longest = max(_reserved_tokens(seq) for seq in rows)
             total += len(rows) * (longest * loaded.kv_bytes_per_token + loaded.state_bytes_per_sequence)
-        return total + self.side_reserved_bytes
-
-    def reserve_side(self, num_bytes: int) -> bool:
-        """Room in the budget for the shadow run's cache (0: give it back); False if it does not fit now.
-
-        The room must be free already, or small (a sixteenth of the budget at
-        most): a check may cost the store its least recently used entries,
-        but not a large share of what it holds.
-        """
-        running = self._reserved_bytes() - self.side_reserved_bytes
-        stored = self.store.num_bytes if self.store is not None else 0
-        free_now = running + stored + num_bytes <= self.kv_budget_bytes
-        if num_bytes and (running + num_bytes > self.kv_budget_bytes
-                          or not (free_now or num_bytes <= self.kv_budget_bytes // SIDE_EVICTION_SHARE)):
-            return False
-        self.side_reserved_bytes = num_bytes
-        self._lend_to_running(self._reserved_bytes())
-        return True
-
-    def _lend_to_running(self, reserved: int) -> None:
-        if self.store is not None:
-            self.store.set_capacity(self.kv_budget_bytes - reserved)
+        return total
 
     def _start(self, seq: SequenceState) -> None:
         self.active.append(seq)
@@ -486,7 +463,7 @@ class Scheduler:
     def _release(self, seq: SequenceState) -> None:
         if seq in self.active:
             self.active.remove(seq)
-            self._lend_to_running(self._reserved_bytes())  # the store gets the room back
+            self.kv_budget.reserve_running(self._running_bytes())  # the store gets the room back
         if seq in self._prefill_turns:
             self._prefill_turns.remove(seq)
         if seq.lease is not None:
@@ -510,6 +487,7 @@ class Scheduler:
                 seq.job.emit(FAILED, err)
         self.active.clear()
         self._prefill_turns.clear()
+        self.kv_budget.reserve_running(0)
 
     def _guard(self, seq: SequenceState, action: Callable[[], None]) -> None:
         try:
@@ -529,7 +507,7 @@ class Scheduler:
             "waiting": phases.count(Phase.WAITING),
             "prefilling": phases.count(Phase.PREFILL),
             "decoding": phases.count(Phase.DECODE),
-            "kv_reserved_bytes": self._reserved_bytes(),
+            "kv_reserved_bytes": self.kv_budget.reserved_bytes,
             "active_per_client": dict(Counter(s.job.client_id for s in self.active)),
         }
 

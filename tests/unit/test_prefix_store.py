@@ -497,31 +497,35 @@ def test_churn_under_a_small_budget_keeps_every_invariant(clock, seed):
     store.check_integrity()
 
 
-# ----- capacity lent to running sequences, and leases that follow a prefill -----
+# ----- the KV budget's share lent to running sequences, and leases that follow a prefill -----
 
-def test_set_capacity_evicts_down_to_it_and_gives_the_room_back(clock):
+def test_a_reservation_evicts_down_to_the_rest_and_gives_the_room_back(clock):
     store = PrefixStore(max_bytes=1000, max_nodes=100, max_pinned_bytes=500, clock=clock)
     for i in range(5):
         put(store, [i] * 10 + [100 + i])  # 110 bytes each
         clock.now += 1
     assert store.num_bytes == 550
-    assert store.set_capacity(300) == 300
+    store.kv_budget.reserve_running(700)
+    assert store.kv_budget.store_capacity == 300
     assert store.num_bytes <= 300 and store.free_bytes == 300 - store.num_bytes
-    assert store.set_capacity(1000) == 1000
+    store.kv_budget.reserve_running(0)
+    assert store.kv_budget.store_capacity == 1000
     put(store, [9] * 60)
     assert store.num_bytes <= 1000
     store.check_integrity()
 
 
-def test_set_capacity_keeps_what_is_locked_and_says_so(clock):
+def test_a_reservation_keeps_what_is_locked_and_the_capacity_says_so(clock):
     store = PrefixStore(max_bytes=1000, max_nodes=100, max_pinned_bytes=500, clock=clock)
     put(store, list(range(50)))
     lease = store.lease("m", list(range(50)))
-    assert store.set_capacity(100) == 500  # the locked 500 bytes cannot go: the capacity says so
+    store.kv_budget.reserve_running(900)
+    assert store.kv_budget.store_capacity == 500  # the locked 500 bytes cannot go: the capacity says so
     assert store.num_bytes == 500
     store.check_integrity()
     store.release(lease)
-    assert store.set_capacity(100) == 100 and store.num_bytes == 0
+    store.kv_budget.reserve_running(900)
+    assert store.kv_budget.store_capacity == 100 and store.num_bytes == 0
 
 
 def test_a_lease_keeps_what_a_prefill_stored_so_far(clock):
