@@ -43,11 +43,10 @@ log = structlog.get_logger("prefixd.engine")
 MAX_FAILED_ITERATIONS = 3
 NUM_GRAMMAR_THREADS = 2
 # A pending shadow check starts only after the engine has been idle this long. A
-# pass cannot be interrupted (a cold prefill chunk: 0.1-0.6 s on an H200 at a new
-# shape, seconds on a CPU), and clients that send their next request as soon as
-# an answer ends (a chat, an agent's loop, a benchmark) would otherwise find one
-# running: on the H200 three of 16 back-to-back requests waited 20-400 ms behind
-# one (bench/first_hit_probe.py, 2026-12-04).
+# pass cannot be interrupted (a cold prefill chunk: a fraction of a second on a GPU
+# at a new shape, seconds on a CPU), and clients that send their next request as
+# soon as an answer ends (a chat, an agent's loop, a benchmark) would otherwise
+# find one running (docs/decisions.md).
 SHADOW_IDLE_GRACE_S = 0.2
 
 
