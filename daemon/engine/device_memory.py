@@ -4,10 +4,9 @@ MLX keeps the buffers a computation frees, to hand them out again without a
 new allocation; by default it keeps up to its whole memory limit, that is
 nearly the whole device. A daemon's shapes keep changing (every turn of a chat
 forks and extends a longer cache), so most kept buffers never fit a later
-request, and the cache grows until the device is full: on an H200 four agents
-at ~9k tokens took prefixd's process from 3 to 120 GiB in ten seconds, and the
-next decode step failed with CUDA out of memory once another process on the
-card held the rest. The engine sets a bound at start (engine thread: MLX
+request, and the cache grows until the device is full and a decode step fails
+with out of memory (a few agents do it in seconds on a GPU: docs/decisions.md).
+The engine sets a bound at start (engine thread: MLX
 state is per thread's stream, the limit is process-wide).
 """
 
