@@ -199,7 +199,7 @@ class BatchDecoder:
         """The last row of a batch goes back to the solo path, if enough of its answer is left.
 
         On a GPU a batch step of even two rows cost as much as two solo steps
-        (bench/batch_probe.py), so the one left after the others finished would
+        (bench/probes/batch_probe.py), so the one left after the others finished would
         decode at half speed to its end. The move costs one copy of its KV
         (the batch's row without padding) and one step computed again: the
         batch had fed the row's last token already, so the copy is trimmed by
