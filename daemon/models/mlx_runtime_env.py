@@ -12,17 +12,17 @@ hundreds of distinct prompts every request would fail, on every model, until
 a restart. The caches still evict least-recently-used entries with the check
 off (MLX's own test runner turns it off the same way).
 
-A guard for the MLX builds that have the check: on the H200 with the mlx
-0.32.4 wheel, bench/cuda_cache_fuse.py (16 distinct cold-prompt shapes past a
-cuDNN attention cache of 4) raised nothing with the check on or off, in
-process or through the daemon (2026-12-04); pyproject.toml allows newer MLX.
+A guard for the MLX builds that have the check: not every wheel trips it
+(bench/probes/cuda_cache_fuse.py shows whether one does; docs/decisions.md),
+and pyproject.toml allows newer MLX.
 
 MLX's CUDA backend also compiles some kernels at their first use (NVRTC) and
 keeps what it compiled under the system's temporary directory
 (``/tmp/mlx/<version>/ptx``), which a reboot or a service's private /tmp
-empties. On a fresh H200 the daemon's load-time warm-up (engine/warm_up.py)
-spent 24 s compiling; with the kernels on disk, 0.6 s. So the daemon keeps
-them in its own cache directory, per MLX version (``MLX_PTX_CACHE_DIR``).
+empties; then the daemon's load-time warm-up (engine/warm_up.py) compiles
+them again, tens of seconds on a GPU against under a second with them on disk.
+So the daemon keeps them in its own cache directory, per MLX version
+(``MLX_PTX_CACHE_DIR``).
 
 An operator's own value is kept. MLX reads these when it first builds each
 cache, so setting them before the engine's first GPU pass is enough; the
