@@ -4,7 +4,7 @@ Why: MLX's CUDA backend runs a multi-token ``mx.fast.scaled_dot_product_attentio
 through cuDNN, and builds a cuDNN graph for every new (query length, key
 length, strides) it meets, caching it by exactly those shapes
 (mlx/backend/cuda/scaled_dot_product_attention.cpp: ``build_sdpa_cache_key``).
-A build costs 50-130 ms on an H200 (bench/shape_probe.py, issue 13). A daemon
+A build costs tens of milliseconds on a GPU (bench/probes/shape_probe.py). A daemon
 serving cache hits meets a new pair on nearly every request: the next chat turn
 or the next editor edit is a tail of a new length at a new cache depth. The
 build then costs more than the prefill the cache saved.
@@ -18,13 +18,10 @@ be large, and their shapes repeat (chunk after chunk of the same length).
 Decode steps (one query token) are left alone: MLX's vector kernel and its
 cuDNN decode path are built once per 256 keys, not per length.
 
-Measured on an H200 (bench/shape_probe.py parts 6-7, 2026-12-04): a tail's
-first pass costs 36-60 ms in this form against 57-92 ms fused (repeats 10-16
-ms), and what is left depends on the pass's length alone, not the cache depth.
-Padding passes to multiples of 64 tokens with every multiple warmed at load
-was tried on top (98b7903) and taken out again: in bench/compare.py on the
-same machine it did not lower chat or editor TTFT (57 vs 64 ms, 97 vs 130 ms
-without and with it).
+A tail's first pass still costs more than its repeats in this form, but less
+than fused, and what is left depends on the pass's length alone, not the cache
+depth; padding passes to a few lengths does not pay for itself (the figures,
+and what was tried: docs/decisions.md).
 
 The policy is process-wide because mlx-lm's model modules bind
 ``scaled_dot_product_attention`` by name at import; ``install`` rebinds that
