@@ -4,9 +4,9 @@ Why: LFM2's ShortConv layers run a depthwise ``nn.Conv1d`` (kernel
 ``conv_L_cache``, 3 wide) over the new tokens and the two before them. MLX's
 CUDA backend hands a convolution to cuDNN, which prepares it per input
 shape. A cache hit's tail (a chat turn, an edit) has a new length on nearly
-every request, and on an H200 lfm2's 32-token chat tails took 263-279 ms at a
-new length against 30 ms at a length met before (bench/results/gpu/2026-12-04-c,
-run 5; bench/conv_shape_probe.py measures the two forms).
+every request, and on a GPU such a tail costs several times more at a new
+length than at one met before (bench/probes/conv_shape_probe.py measures the
+two forms; the figures are in docs/decisions.md).
 
 A depthwise convolution of K taps is K shifted multiply-adds: elementwise
 kernels, the same ones at every length, nothing prepared per shape. Each
@@ -16,10 +16,8 @@ position, and cached answers stay identical to uncached ones. The sum is
 kept in float32 (as a convolution kernel accumulates) and rounded once.
 
 Decode steps take this form too: with cuDNN's the first steps at each batch
-size cost 0.2-2.8 s on the H200 (one row: 527 then 2,293 ms), and later steps cost the same in either
-form within the noise (2.2-2.4 ms for one row, 3.7-5.4 ms for four; a
-one-kernel ``mx.fast.cuda_kernel`` version measured the same and was not
-kept; bench/results/gpu/2026-12-04-d).
+size cost seconds, and later steps cost the same in either form within the
+noise (so a one-kernel ``mx.fast.cuda_kernel`` version would buy nothing).
 
 Elsewhere (Metal, CPU) MLX's own convolution stays: it has no per-shape cost there.
 """
