@@ -124,7 +124,7 @@ def _join_in_groups(parts: list[list[mx.array]]) -> list[list[mx.array]]:
     and the fork's concatenation of S segments (per layer) is a topology per
     S. A chat's stored path gains segments every turn (a message's end, the
     answer), so without this nearly every turn forked at a segment count not
-    met before and paid for new graphs (bench/chat_turn_probe.py). In groups,
+    met before and paid for new graphs (bench/probes/chat_turn_probe.py). In groups,
     every evaluation joins 1 to FORK_GROUP segments per layer, and the last
     join (fork_cache, with the headroom) takes at most FORK_GROUP pieces:
     shapes the warm-up builds at load (warm_up.py forks up to 2 x FORK_GROUP
@@ -149,9 +149,9 @@ def evaluate_fork(cache: list[Any]) -> None:
     topology (mlx/backend/cuda/device.cpp: ``graph_key_``). A lazy fork puts
     its concatenations (one per stored segment and layer) in front of the
     forward pass, so every new segment count shifts the windows of the whole
-    forward, and each shifted window is a graph built anew: on an H200 the
-    first exact hit at each new segment count cost 14-19 ms more than its
-    repeats (bench/first_hit_probe.py, 2026-12-04). Evaluated alone, the
+    forward, and each shifted window is a graph built anew: the first exact
+    hit at each new segment count costs more than its repeats
+    (bench/probes/first_hit_probe.py; docs/decisions.md). Evaluated alone, the
     fork's graphs depend on the segment count only (warm_up.py builds the
     common ones at load), and the forward's on the pass alone. On a CPU it
     only moves the same copy a little earlier.
