@@ -3,10 +3,9 @@
 Every rank's OpenBLAS (models/blas.py) starts one thread per core and keeps
 them spinning after each matmul. Two ranks on two cores then run four
 spinning BLAS threads beside the ring backend's own, and every collective
-waits until the peer it needs is scheduled again: measured on this project's
-2-core machine (tiny llama, tensor parallel on 2 ranks, bare mlx-lm decode),
-39 ms per decode step and 2.5 ms per all_sum with the default threads, 9.7 ms
-and 0.04 ms with one BLAS thread per rank. So a rank that shares its host with
+waits until the peer it needs is scheduled again: a decode step then costs
+several times more, an all_sum tens of times more (docs/decisions.md). So a
+rank that shares its host with
 other ranks sets ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` to the cores
 divided by the ranks on its host, before the BLAS loads. A value the user
 set is kept; ranks on hosts of their own (one rank per machine) are left alone.
