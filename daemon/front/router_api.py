@@ -1,7 +1,7 @@
 """What a cache-aware router asks of each worker behind it: readiness, server and model info, load.
 
 The router is Shepherd Model Gateway (``smg``, the gateway SGLang's router became;
-README, *Many daemons behind a router*). It registers an HTTP worker from
+docs/scaling.md, *Many daemons behind a router*). It registers an HTTP worker from
 ``GET /v1/models`` (the first model's id is the model its requests are routed by;
 ``http_front`` answers that), probes ``GET /health`` until the worker is ready and
 then every ``--health-check-interval-secs``, reads ``/server_info`` and
