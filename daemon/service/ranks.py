@@ -2,8 +2,8 @@
 
 ``--ranks N`` (N > 1) in a process that mlx.launch did not start replaces it
 with ``mlx.launch -n N`` running the same command line on N local ranks; on
-several machines or GPUs run mlx.launch yourself with a hostfile (README,
-*Several processes*). In a process mlx.launch started, the engine is the
+several machines or GPUs run mlx.launch yourself with a hostfile (docs/scaling.md,
+*One daemon across several processes*). In a process mlx.launch started, the engine is the
 lock-step one (daemon/distributed/): rank 0 serves, the others follow.
 """
 
