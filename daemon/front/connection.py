@@ -178,7 +178,8 @@ class Connection:
             await self._finish(self._close_reason or reason)
 
     def _dispatch(self, item: Message | RpcError) -> None:
-        if isinstance(item, RpcError):
+        if isinstance(item, RpcError):  # a message that is not msgpack-RPC: the client's mistake, and it is told so
+            log.warning("client_invalid_message", client=self.client_id, code=item.code, error=item.message)
             self.send(Response(None, item.to_wire(), None))
         elif isinstance(item, Request):
             task = asyncio.create_task(self._answer(item))
@@ -188,6 +189,10 @@ class Connection:
             # Clients such as Neovim send notifications of their own
             # (nvim_error_event ...); the protocol says unknown ones are ignored.
             log.debug("client_notification_ignored", client=self.client_id, method=item.method)
+        elif isinstance(item, Response):
+            # The daemon sends no requests, so no response from a client answers anything.
+            log.warning("client_response_ignored", client=self.client_id, msgid=item.msgid,
+                        reason="the daemon sends no requests; a response from a client answers nothing")
 
     async def _answer(self, request: Request) -> None:
         # Every log line of this request names the peer.
