@@ -32,6 +32,7 @@ from ...protocol.tools import FINISH_TOOL_CALLS
 from ..engine.stop_strings import StopStringMatcher
 from .anthropic_fields import hint_notes, output_constraint, system_message_notes
 from .anthropic_tools import CACHE_CONTROL_NOTE, assistant_message, generate_tool_fields, has_tool_blocks, user_messages
+from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras, temperature_of
 
@@ -65,6 +66,7 @@ class MessagesRequest:
 def messages_request(body: dict[str, Any], default_model: str, beta_header: str | None = None,
                      normalize_system: NormalizeSystem = _as_is) -> MessagesRequest:
     reject_unknown(body, MESSAGE_FIELDS)
+    check_field_kinds(body)
     notes = hint_notes(body, beta_header)
     normalized: list[str] = []
     messages = prompt_messages(body, notes, normalize_system, normalized)

@@ -20,6 +20,7 @@ from typing import Any
 
 from ...protocol import methods as m
 from .fim_formats import FimFormat
+from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras, temperature_of
 
@@ -54,6 +55,7 @@ class InfillRequest:
 
 def infill_request(body: dict[str, Any], fim: FimFormat) -> InfillRequest:
     reject_unknown(body, (*_PROMPT_FIELDS, *_GENERATE_FIELDS, *_CUT_FIELDS, *_NOTED_FIELDS, *_SAMPLING_EXTRAS))
+    check_field_kinds(body)
     texts = {name: _string(body, name) for name in ("input_prefix", "input_suffix", "prompt")}
     extra = _extra_chunks(body.get("input_extra"))
     notes = [note for name, note in _NOTED_FIELDS.items() if note and name in body]

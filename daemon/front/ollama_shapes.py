@@ -28,6 +28,7 @@ from ...protocol import methods as m
 from ...protocol.errors import RpcError
 from ...protocol.keep_alive import parse_keep_alive
 from ...protocol.tools import FINISH_TOOL_CALLS
+from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras, temperature_of
 
@@ -69,6 +70,7 @@ def now_rfc3339() -> str:
 
 def chat_request(body: dict[str, Any], default_model: str) -> OllamaRequest:
     reject_unknown(body, CHAT_FIELDS)
+    check_field_kinds(body)
     _refuse_features(body, ("think",))
     messages = body.get("messages")
     if messages is None or messages == []:
@@ -84,6 +86,7 @@ def generate_request(body: dict[str, Any], default_model: str,
                      fim_prompt: Callable[[str, str], tuple[str, tuple[str, ...]]] | None = None) -> OllamaRequest:
     """``fim_prompt(prefix, suffix) -> (prompt text, stop strings)``: the model's FIM format, when ``suffix`` is given."""
     reject_unknown(body, GENERATE_FIELDS)
+    check_field_kinds(body)
     _refuse_features(body, ("images", "think", "template", "context"))
     constrained = _format_constraint(body.get("format"))
     prompt = body.get("prompt")
@@ -160,6 +163,7 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise invalid("'options' must be an object", "options")
+    check_field_kinds(options, "options.")
     stream = body.get("stream", True)  # Ollama streams unless told not to
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", "stream")

@@ -22,7 +22,7 @@ Omitted sampling fields take prefixd's defaults: greedy, 256 tokens.
 llama.cpp's ``cache_prompt``, ``id_slot`` and ``samplers`` (llama.vim's
 instruction mode sends them) are accepted on /v1/chat/completions and named in
 ``prefixd_notes``; ``cache_prompt: false`` is honoured. ``stream_options``
-must be an object.
+must be an object. A field of the wrong JSON type is a 400 naming it (field_kinds).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from ...protocol import methods as m
 from ...protocol.errors import RpcError
 from ...protocol.tools import FINISH_TOOL_CALLS
 from . import http_errors
+from .field_kinds import BOOLEAN, check_field_kind, check_field_kinds
 from .json_body import parse_json_body  # noqa: F401  (shapes.parse_json_body, as before)
-from .sampling_fields import GREEDY_EXACT, NEUTRAL_VALUES, check_sampling_extras
+from .sampling_fields import GREEDY_EXACT, NEUTRAL_VALUES, check_sampling_extras, temperature_of
 
 _FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length", FINISH_TOOL_CALLS: "tool_calls"}
 _invalid = http_errors.invalid
@@ -59,8 +60,9 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     """The sampling and prefixd fields shared by both endpoints, as generate params."""
     if body.get("n") not in (None, 1):
         raise _invalid("only n=1 is supported", "n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _invalid("logprobs are not supported", "logprobs")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name):
+            raise _invalid("logprobs are not supported", name)
     params: dict[str, Any] = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     for key, value in (("max_tokens", max_tokens), ("temperature", body.get("temperature")), ("top_p", body.get("top_p")),
@@ -93,15 +95,15 @@ def chat_request(body: Any, notes: list[str] | None = None) -> m.GenerateParams:
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
     http_errors.reject_unknown(body, CHAT_FIELDS + CHAT_LABEL_FIELDS + CHAT_SAMPLING_EXTRAS + tuple(LLAMA_CPP_HINTS))
+    check_field_kinds(body)
     if body.get("logit_bias"):
         raise _invalid("'logit_bias' is not supported", "logit_bias")
     _check_stream_options(body)
     hints = _llama_cpp_hints(body)
     if notes is not None:
         notes += hints
-    temperature = body.get("temperature")
-    check_sampling_extras({name: body.get(name) for name in CHAT_SAMPLING_EXTRAS},
-                          float(temperature) if isinstance(temperature, (int, float)) else 0.0)
+    extras = {name: body.get(name) for name in CHAT_SAMPLING_EXTRAS}
+    check_sampling_extras(extras, temperature_of(body.get("temperature")))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
@@ -118,6 +120,8 @@ def _check_stream_options(body: dict[str, Any]) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _invalid("'stream_options' must be an object, such as {\"include_usage\": true}", "stream_options")
+    if options is not None:
+        check_field_kind(options.get("include_usage"), "stream_options.include_usage", (BOOLEAN,))
 
 
 def _llama_cpp_hints(body: dict[str, Any]) -> list[str]:
@@ -204,6 +208,7 @@ def completion_request(body: Any) -> m.GenerateParams:
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
     http_errors.reject_unknown(body, COMPLETION_FIELDS)
+    check_field_kinds(body)
     _check_stream_options(body)
     if body.get("suffix"):
         raise _invalid("'suffix' (fill-in-the-middle) must go through the front's FIM prompt", "suffix")

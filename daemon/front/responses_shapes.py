@@ -22,6 +22,7 @@ from typing import Any
 
 from ...protocol import methods as m
 from ...protocol.tools import FINISH_TOOL_CALLS
+from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
 from .openai_shapes import response_format_constraint
 from .responses_items import chat_messages, normalized_items
@@ -72,6 +73,7 @@ def responses_request(body: Any, history: list[dict[str, Any]], default_max_outp
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     reject_unknown(body, HONOURED_FIELDS + LABEL_FIELDS + tuple(REFUSED_FIELDS))
+    check_field_kinds(body)
     for name, why in REFUSED_FIELDS.items():
         if body.get(name) not in (None, False, 0, [], {}):
             raise invalid(why, name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .field_kinds import FIELD_KINDS, check_field_kind
 from .http_errors import invalid
 
 # Exact under greedy decoding: each keeps the argmax token.
@@ -42,6 +43,8 @@ def check_sampling_extras(fields: dict[str, Any], temperature: float, where: str
     for name, value in fields.items():
         if value is None:
             continue
+        if name in FIELD_KINDS:  # of the wrong type, it is refused whatever the temperature
+            check_field_kind(value, where + name, FIELD_KINDS[name])
         if name in GREEDY_EXACT:
             if temperature > 0:
                 raise invalid(f"'{where}{name}' is not supported with temperature > 0 (prefixd samples with temperature "
