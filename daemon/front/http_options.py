@@ -127,7 +127,7 @@ def read_token_file(path: Path) -> str:
     """The first line of a private token file; ValueError if it is a link, not ours, readable by others, or empty."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
+    except OSError:
         if os.path.islink(path):
             raise ValueError(f"{path} is a symbolic link; refusing to read the HTTP token through it") from None
         raise

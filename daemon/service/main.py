@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "be set as PREFIXD_<NAME> or in the config file (see prefixd config); "
                                      "docs/settings.md lists them all.")
     parser.add_argument("--config", type=Path, help="config file (default: $PREFIXD_CONFIG or $XDG_CONFIG_HOME/prefixd/config.toml)")
-    parser.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "json"], help="print the effective configuration and where each value came from, then exit")
+    parser.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "json"],
+                        help="print the effective configuration and where each value came from, then exit")
     add_flags(parser)
     return parser
 
@@ -129,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
     )
+    disk_cache = (DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval)
+                  if args.disk_cache_bytes else None)
     settings = ServerSettings(socket_path=args.socket, engine=engine, grace_seconds=args.grace_seconds,
                               http=http, allowed_uids=tuple(args.allow_uid), status_interval_seconds=args.status_interval,
-                              disk_cache=DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval) if args.disk_cache_bytes else None)
-    log.info("daemon_starting", blas=blas or "bundled", mlx_env=mlx_defaults, dtype=engine.dtype, cache_bytes=cache_bytes, prefill_chunk=engine.prefill_chunk or "auto",
-             config_file=str(config.path) if config.file_found else None)
+                              disk_cache=disk_cache)
+    log.info("daemon_starting", blas=blas or "bundled", mlx_env=mlx_defaults, dtype=engine.dtype, cache_bytes=cache_bytes,
+             prefill_chunk=engine.prefill_chunk or "auto", config_file=str(config.path) if config.file_found else None)
     # The engine thread builds each forward pass in Python and holds the GIL
     # meanwhile; with CPython's default 5 ms switch interval a token the engine
     # has handed out could wait that long for the event loop to write it.
