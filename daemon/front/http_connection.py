@@ -15,10 +15,11 @@ no deadline.
 
 Logs: a request aiohttp's parser refuses (a bad request line, a header too
 long, a bad chunk size) is answered 400 by aiohttp, which logs it through the
-connection's logger with a traceback at level error. Here that logger writes
-one ``http_malformed_request`` warning instead, without a traceback: the
-fault is the client's. What else aiohttp logs there stays an error with its
-traceback (an ``error`` line means the daemon is at fault).
+connection's logger with a traceback at level error; so is a body it could
+not decode (bad gzip), which the middleware answers 400. Here that logger
+writes one ``http_malformed_request`` warning instead, without a traceback:
+the fault is the client's. What else aiohttp logs there stays an error with
+its traceback (an ``error`` line means the daemon is at fault).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from .peer_auth import peer_credentials
 
@@ -176,7 +178,9 @@ class ClientFaultLog:
 
     aiohttp calls ``exception`` (and ``debug`` for a first line that is not
     HTTP at all, such as TLS sent to the plain port) with the parser's error
-    as ``exc_info``; every other call goes to aiohttp's own logger unchanged.
+    as ``exc_info``, or with a RequestPayloadError caused by one when it
+    drains a body it could not decode; every other call goes to aiohttp's own
+    logger unchanged.
     """
 
     def __init__(self, inner: logging.Logger, peer: dict[str, Any]):
@@ -184,14 +188,14 @@ class ClientFaultLog:
         self.peer = peer
 
     def exception(self, msg: object, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError):
-            self._malformed(exc_info)
+        if (fault := client_fault(exc_info)) is not None:
+            self._malformed(fault)
         else:
             self.inner.exception(msg, *args, exc_info=exc_info, **kwargs)
 
     def debug(self, msg: object, *args: Any, exc_info: Any = None, **kwargs: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError):
-            self._malformed(exc_info)
+        if (fault := client_fault(exc_info)) is not None:
+            self._malformed(fault)
         else:
             self.inner.debug(msg, *args, exc_info=exc_info, **kwargs)
 
@@ -201,3 +205,10 @@ class ClientFaultLog:
     def _malformed(self, exc: HttpProcessingError) -> None:
         log.warning("http_malformed_request", **self.peer, status=exc.code, kind=type(exc).__name__,
                     error=" ".join(str(exc.message).split()))
+
+
+def client_fault(exc: Any) -> HttpProcessingError | None:
+    """The HTTP parser's error behind ``exc`` (itself, or what made a body unreadable); None for anything else."""
+    if isinstance(exc, RequestPayloadError):
+        exc = exc.__cause__
+    return exc if isinstance(exc, HttpProcessingError) else None

@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from ...protocol.codec import MAX_MESSAGE_BYTES
 from ...protocol.errors import RpcError
@@ -49,7 +50,7 @@ from . import openai_shapes as shapes
 from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
 from .http_connection import (BODY_TIMEOUT_SECONDS, HEADER_TIMEOUT_SECONDS, KEEPALIVE_TIMEOUT_SECONDS, GuardedConnection,
-                              guard_of)
+                              client_fault, guard_of)
 from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
 from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
 from .listener import SocketFile, bind_unix_socket
@@ -208,7 +209,7 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
                                          "The daemon's http_token log line says which file holds it", code="invalid_api_key")
     try:
         if request.body_exists:
-            await request.read()  # under the deadline; the endpoints then parse the cached bytes
+            await _read_body(request)
         if guard is not None:
             guard.body_arrived()
         return await handler(request)
@@ -225,6 +226,16 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
     except Exception as exc:
         log.exception("http_handler_failed")
         return _json_error(request, 500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+async def _read_body(request: web.Request) -> None:
+    """Read the body under its deadline (the endpoints parse the cached bytes); a 400 for one aiohttp cannot decode."""
+    try:
+        await request.read()
+    except RequestPayloadError as exc:  # a bad chunk or content encoding: aiohttp logs it as the client's fault
+        fault = client_fault(exc)
+        reason = " ".join(str(fault.message).split()) if fault is not None else str(exc)
+        raise http_errors.invalid(f"the request body could not be read: {reason}") from None
 
 
 def _log_refusal(request: web.Request, status: int, message: str) -> None:

@@ -36,6 +36,9 @@ async def json_body(request: web.Request) -> Any:
         text = await request.text()
     except UnicodeDecodeError as exc:
         raise RpcError(ErrorCode.INVALID_PARAMS, f"the request body is not valid UTF-8: {exc}") from None
+    except LookupError:  # Content-Type names a charset there is no codec for
+        message = f"the request body's charset {request.charset!r} is unknown; send UTF-8"
+        raise RpcError(ErrorCode.INVALID_PARAMS, message) from None
     return parse_json_body(text)
 
 

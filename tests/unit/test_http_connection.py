@@ -192,3 +192,25 @@ async def test_a_malformed_request_is_one_warning_naming_the_peer_without_a_trac
     line = logs[0]
     assert line["log_level"] == "warning" and line["kind"] == kind and line["status"] == 400 and line["error"]
     assert line["peer"] == "unix" and line["pid"] == os.getpid() and "exc_info" not in line
+
+
+@pytest.mark.parametrize("head, body, error, malformed", [
+    (b"Content-Encoding: gzip\r\n", b"not gzip at all", "the request body could not be read", ["ContentEncodingError"]),
+    (b"Content-Type: application/json; charset=klingon\r\n", b"{}", "charset 'klingon' is unknown", []),
+], ids=["bad-gzip", "unknown-charset"])
+async def test_a_body_that_cannot_be_decoded_is_a_400_not_a_500(caplog, head, body, error, malformed):
+    front, (host, port) = await start()
+    try:
+        with capture_logs() as logs:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: prefixd\r\nContent-Length: %d\r\n%s\r\n%s"
+                         % (len(body), head, body))
+            status, reply = await read_reply(reader)
+            writer.close()
+            await asyncio.sleep(0.1)
+    finally:
+        await front.cleanup()
+    assert status == b"HTTP/1.1 400 Bad Request" and error.encode() in reply, reply
+    assert not [entry for entry in logs if entry["log_level"] == "error"], logs
+    assert [entry["kind"] for entry in logs if entry["event"] == "http_malformed_request"] == malformed, logs
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
