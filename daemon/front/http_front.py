@@ -1,9 +1,12 @@
-"""The opt-in HTTP front (aiohttp, in the daemon's event loop): OpenAI's API here, the others beside.
+"""The opt-in HTTP front (aiohttp, in the daemon's event loop): the app, its fronts, and what they all share.
 
-``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions``,
-streamed as server-sent events or not; OpenAI's Responses API (``responses_api``),
-Ollama's (``ollama_api``), Anthropic's (``anthropic_api``), llama.cpp's /infill (``infill_api``) and /metrics
-(``metrics``) add their routes to the same app. It never touches MLX: every request
+Each API is its own module that adds its routes to one app: OpenAI's
+(``openai_api``), OpenAI's Responses API (``responses_api``), Ollama's
+(``ollama_api``), Anthropic's (``anthropic_api``), llama.cpp's /infill
+(``infill_api``), /metrics (``metrics``) and what a router reads
+(``router_api``). This module builds the app, mounts them, and handles what
+crosses them: authentication, peer checks, body deadlines, errors in each
+API's shape, the log's request context. It never touches MLX: every request
 becomes a GenerateJob run through ``Handlers.run_job``, like a socket request,
 so both fronts share one engine and one prefix store. A client that goes
 away cancels its job (aiohttp cancels the handler; the job sees the flag).
@@ -44,14 +47,12 @@ from aiohttp.web_protocol import RequestPayloadError
 from ...protocol.codec import MAX_MESSAGE_BYTES
 from ...protocol.errors import RpcError
 from ..engine.jobs import GenerateJob
-from ..models.names import model_not_found
-from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, responses_api, router_api
-from . import openai_shapes as shapes
+from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, openai_api, responses_api, router_api
 from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
 from .http_connection import (BODY_TIMEOUT_SECONDS, HEADER_TIMEOUT_SECONDS, KEEPALIVE_TIMEOUT_SECONDS, GuardedConnection,
                               client_fault, guard_of)
-from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LazyStream, RunningJob, json_body, result_in_stream, sse_data
+from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY
 from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
 from .listener import SocketFile, bind_unix_socket
 from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
@@ -119,7 +120,7 @@ async def start_http_front(
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
     keep_billing_header: bool = False,
 ) -> HttpFront:
-    """Serve the OpenAI-compatible API on ``host:port`` and/or the Unix socket ``unix_path``.
+    """Serve the HTTP APIs on ``host:port`` and/or the Unix socket ``unix_path``.
 
     ``token``: the bearer token TCP requests must carry (None: none asked for).
     ``header_timeout`` / ``body_timeout``: seconds a request's head (from its first byte) and its body (from the
@@ -133,10 +134,7 @@ async def start_http_front(
     if host is not None and not is_loopback(host) and not token:
         raise ValueError(f"refusing to serve HTTP on non-loopback {host} without a bearer token")
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_MESSAGE_BYTES)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    openai_api.add_routes(app.router)
     ollama_api.add_routes(app.router)
     anthropic_api.add_routes(app.router)
     responses_api.add_routes(app.router)
@@ -280,65 +278,3 @@ def _token_matches(request: web.Request, token: str) -> bool:
 def _json_error(request: web.Request, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
     error = http_errors.HttpError(status, message, kind, code)
     return web.json_response(http_errors.body_for_path(request.path, error), status=status)
-
-
-# -- endpoints ---------------------------------------------------------------------------
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """Every configured model, loaded or not; ``prefixd_residency`` says which are loaded, their memory, since and until when."""
-    handlers = request.app[HANDLERS_KEY]
-    described = await handlers.engine.call(handlers.engine.controls.describe_models)
-    return web.json_response(shapes.models_list(described, int(handlers.started_at)))
-
-
-async def get_model(request: web.Request) -> web.Response:
-    handlers = request.app[HANDLERS_KEY]
-    name = request.match_info["model"]
-    if name not in handlers.engine.model_names:
-        raise model_not_found(name, handlers.engine.model_names)
-    described = await handlers.engine.call(handlers.engine.controls.describe_models)
-    return web.json_response(shapes.models_list([m for m in described if m["name"] == name], int(handlers.started_at))["data"][0])
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await json_body(request)
-    notes: list[str] = []
-    params = shapes.chat_request(body, notes)
-    return await _generate(request, params, chat=True, include_usage=shapes.wants_usage(body), notes=notes)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = await json_body(request)
-    if isinstance(body, dict) and body.get("suffix"):  # fill-in-the-middle: the model's FIM tokens around prompt and suffix
-        body = await infill_api.completion_with_suffix(request, body)
-    return await _generate(request, shapes.completion_request(body), chat=False, include_usage=shapes.wants_usage(body))
-
-
-async def _generate(request: web.Request, params: Any, chat: bool, include_usage: bool,
-                    notes: list[str] | None = None) -> web.StreamResponse:
-    reply = shapes.Reply(chat, params.model or request.app[HANDLERS_KEY].engine.default_model or "", notes)
-    async with RunningJob(request, params) as job:
-        if not params.stream:
-            return web.json_response(reply.complete(await job.result()))
-        return await _stream(request, reply, job, include_usage)
-
-
-async def _stream(request: web.Request, reply: shapes.Reply, job: RunningJob, include_usage: bool) -> web.StreamResponse:
-    stream = LazyStream(request, "text/event-stream", sse_data)
-    async for chunk in job.chunks():
-        if not stream.started:
-            await stream.send(reply.chunk(first=True))
-        if chunk["text"] or not chunk.get("tool_calls"):
-            await stream.send(reply.chunk(chunk["text"]))
-        for piece in reply.tool_call_chunks(chunk.get("tool_calls", [])):
-            await stream.send(piece)
-    # The openai client raises APIError on an error chunk.
-    if (result := await result_in_stream(job, stream, lambda err: shapes.error_body(err)[1])) is None:
-        return stream.response
-    if not stream.started:
-        await stream.send(reply.chunk(first=True))
-    await stream.send(reply.closing_chunk(result))
-    if include_usage:
-        await stream.send(reply.usage_chunk(result))
-    return await stream.finish(b"data: [DONE]\n\n")

@@ -1,6 +1,6 @@
 """OpenAI's request and response shapes, translated to and from prefixd's.
 
-Pure data, no I/O: ``http_front`` feeds request bodies in and writes what
+Pure data, no I/O: ``openai_api`` feeds request bodies in and writes what
 comes out. Requests become the same ``GenerateParams`` the socket front
 builds (through ``protocol.methods.parse_generate``, so both fronts validate
 alike); replies carry prefixd's ``cache`` map as ``prefixd_cache`` and its
