@@ -140,6 +140,7 @@ class SequenceState:
             "session": self.params.session,
             "text": "".join(self.pieces),
             "finish_reason": self.finish_reason,
+            **({"stop": self.stops.matched} if self.stops.matched is not None else {}),  # the stop string that ended it
             "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": self.completion_tokens},
             "cache": self.report.to_wire(),
             "timings": {

@@ -12,8 +12,10 @@ class StopStringMatcher:
 
     ``feed(piece)`` returns the text that may be emitted; text that could be
     the beginning of a stop string is held back until it is known not to be.
-    Once a stop string is found, ``stopped`` is True and the text before it
-    has all been returned (the stop string itself is never emitted).
+    Once a stop string is found, ``stopped`` is True, ``matched`` is that
+    string, and the text before it has all been returned (the stop string
+    itself is never emitted). When several start at the same place in the
+    text fed so far, the longest is named.
     """
 
     def __init__(self, stop_strings: tuple[str, ...]):
@@ -21,6 +23,7 @@ class StopStringMatcher:
         self._max_len = max((len(s) for s in self.stop_strings), default=0)
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, piece: str) -> str:
         if self.stopped:
@@ -30,8 +33,9 @@ class StopStringMatcher:
         self._pending += piece
         hit = self._first_hit(self._pending)
         if hit is not None:
+            position, self.matched = hit
             self.stopped = True
-            out, self._pending = self._pending[:hit], ""
+            out, self._pending = self._pending[:position], ""
             return out
         keep = self._longest_partial_suffix(self._pending)
         out = self._pending[: len(self._pending) - keep]
@@ -43,10 +47,13 @@ class StopStringMatcher:
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
 
-    def _first_hit(self, text: str) -> int | None:
-        positions = [text.find(s) for s in self.stop_strings]
-        found = [p for p in positions if p >= 0]
-        return min(found) if found else None
+    def _first_hit(self, text: str) -> tuple[int, str] | None:
+        """Where the first stop string in ``text`` starts, and which one it is (the longest of those starting there)."""
+        found = [(position, -len(s), s) for s in self.stop_strings if (position := text.find(s)) >= 0]
+        if not found:
+            return None
+        position, _, stop = min(found)
+        return position, stop
 
     def _longest_partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

@@ -108,6 +108,17 @@ def test_generate_result_has_the_documented_maps(shared_daemon):
     assert 0 <= timings["lookup_ms"] <= timings["prefill_ms"]
 
 
+def test_a_stop_string_that_ends_the_answer_is_named_in_the_result(shared_daemon):
+    params = {"prompt": "wire stops: the quick brown fox", "max_tokens": 12}
+    with RawConnection(shared_daemon.socket_path) as conn:
+        said = conn.reply(conn.request("generate", params))[1][3]["text"]  # greedy: the same text again below
+        assert len(said) > 4 and "stop" not in conn.reply(conn.request("generate", {**params, "stop": ["\u0000"]}))[1][3]
+        stop = said[2:4]
+        result = conn.reply(conn.request("generate", {**params, "stop": ["\u0001", stop]}))[1][3]
+    assert result["stop"] == stop and result["finish_reason"] == "stop"
+    assert result["text"] == said[: said.find(stop)]
+
+
 def test_streaming_sends_chunks_before_the_response_and_they_add_up(shared_daemon):
     with RawConnection(shared_daemon.socket_path) as conn:
         msgid = conn.request("generate", {"prompt": "stream me: once upon a time", "max_tokens": 24, "stream": True})
