@@ -23,7 +23,7 @@ from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import parse_prompt_input
 from .agent_prompts import PromptNormalizer
 from .anthropic_fields import hint_notes
-from .anthropic_shapes import COUNT_FIELDS, MessagesReply, MessagesRequest, StopSequences, messages_request, prompt_messages
+from .anthropic_shapes import COUNT_FIELDS, MessagesReply, MessagesRequest, messages_request, prompt_messages
 from .anthropic_tools import generate_tool_fields
 from .http_errors import anthropic_body, anthropic_error, invalid, reject_unknown
 from .http_jobs import CLIENT_KEY, LazyStream, RunningJob, compact_json, handlers_of, json_object, result_in_stream
@@ -77,16 +77,11 @@ async def _answer(request: web.Request, body: dict[str, Any], parsed: MessagesRe
     if not isinstance(stream_reply, bool):
         raise invalid("'stream' must be a boolean", "stream")
     reply = MessagesReply(parsed.model, parsed.notes, parsed.normalized)
-    stops = StopSequences(parsed.stop_sequences)
     async with RunningJob(request, parsed.params) as job:
         if not stream_reply:
-            pieces = []
-            async for chunk in job.chunks():
-                pieces.append(stops.feed(chunk["text"]))
-                if stops.matched is not None:
-                    job.stop_early("stop_sequence")
+            pieces = [chunk["text"] async for chunk in job.chunks()]
             result = await job.result()
-            return web.json_response(reply.message(result, "".join(pieces) + stops.flush(), stops.matched))
+            return web.json_response(reply.message(result, "".join(pieces)))
         stream = LazyStream(request, "text/event-stream", _named_event)
 
         async def start(prompt_tokens: int) -> None:
@@ -94,12 +89,9 @@ async def _answer(request: web.Request, body: dict[str, Any], parsed: MessagesRe
                 await stream.send(event)
 
         async for chunk in job.chunks():
-            text = stops.feed(chunk["text"])
-            if stops.matched is not None:
-                job.stop_early("stop_sequence")
             if not stream.started:
                 await start(job.prompt_tokens() or 0)  # encoded before any chunk, so known here
-            for event in reply.text_events(text) if text else []:
+            for event in reply.text_events(chunk["text"]) if chunk["text"] else []:
                 await stream.send(event)
             for call in chunk.get("tool_calls", []):
                 for event in reply.tool_use_events(call):
@@ -109,9 +101,7 @@ async def _answer(request: web.Request, body: dict[str, Any], parsed: MessagesRe
             return stream.response
         if not stream.started:
             await start(result["usage"]["prompt_tokens"])
-        for event in reply.text_events(tail) if (tail := stops.flush()) else []:
-            await stream.send(event)
-        for event in reply.end_events(result, stops.matched):
+        for event in reply.end_events(result):
             await stream.send(event)
         return await stream.finish()
 

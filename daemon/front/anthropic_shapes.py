@@ -16,8 +16,9 @@ A ``system``-role message inside ``messages`` (Anthropic's mid-conversation
 system messages; Claude Code sends its list of agents and skills so) is a
 system message where it stands, as the model's template writes one.
 
-Stop sequences are matched here, in the front, not by the engine: Anthropic's
-reply names the sequence that ended it, which the engine's reply does not say.
+``stop_sequences`` are the generate's stop strings: the engine ends the
+answer before the first one and its result names it (``stop``), which the
+reply gives as ``stop_sequence``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from typing import Any, Callable
 
 from ...protocol import methods as m
 from ...protocol.tools import FINISH_TOOL_CALLS
-from ..engine.stop_strings import StopStringMatcher
+from . import request_fields
 from .anthropic_fields import hint_notes, output_constraint, system_message_notes
 from .anthropic_tools import CACHE_CONTROL_NOTE, assistant_message, generate_tool_fields, has_tool_blocks, user_messages
 from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
-from .sampling_fields import check_sampling_extras, temperature_of
+from .sampling_fields import check_sampling_extras
 
 MESSAGE_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
                   "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control", "context_management",
@@ -57,7 +58,6 @@ def _as_is(system: Any) -> tuple[Any, list[str]]:
 class MessagesRequest:
     params: m.GenerateParams
     model: str
-    stop_sequences: tuple[str, ...]
     notes: list[str] = field(default_factory=list)
     normalized: list[str] = field(default_factory=list)  # what was taken out of the prompt (prefixd_cache.normalized)
     system_in_messages: bool = False  # a system-role message inside 'messages'
@@ -71,27 +71,23 @@ def messages_request(body: dict[str, Any], default_model: str, beta_header: str 
     normalized: list[str] = []
     messages = prompt_messages(body, notes, normalize_system, normalized)
     tool_fields = generate_tool_fields(body, notes)
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
+    if body.get("max_tokens") is None:
         raise invalid("'max_tokens' is required", "max_tokens")
-    stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > m.MAX_STOP_STRINGS:
-        raise invalid(f"'stop_sequences' must be an array of at most {m.MAX_STOP_STRINGS} non-empty strings", "stop_sequences")
     if body.get("metadata") is not None:
         if not isinstance(body["metadata"], dict):
             raise invalid("'metadata' must be an object", "metadata")
         reject_unknown(body["metadata"], ("user_id",), "metadata")
         notes.append("metadata.user_id: recorded nowhere, no effect on the answer")
-    # The engine always streams to the front here: the front matches the stop sequences itself.
-    generate: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True, **tool_fields}
-    for name in ("model", "temperature", "top_p"):
-        if body.get(name) is not None:
-            generate[name] = body[name]
+    sampling = request_fields.generate_fields(body, request_fields.FieldNames(seed=None, stop="stop_sequences"))
+    # The engine always streams to the front here: a streamed reply and a whole one read the answer alike.
+    generate: dict[str, Any] = {"messages": messages, "stream": True, **sampling, **tool_fields}
+    if body.get("model") is not None:
+        generate["model"] = body["model"]
     if (constraint := output_constraint(body)) is not None:
         generate["constraint"] = constraint
-    notes += check_sampling_extras({"top_k": body.get("top_k")}, temperature_of(body.get("temperature")))
+    notes += check_sampling_extras({"top_k": body.get("top_k")}, request_fields.temperature(body.get("temperature"), "temperature"))
     params = m.parse_generate(generate)
-    return MessagesRequest(params, params.model or default_model, tuple(stops), notes, normalized,
+    return MessagesRequest(params, params.model or default_model, notes, normalized,
                            any(message["role"] == "system" for message in messages[1:]))
 
 
@@ -160,32 +156,6 @@ def _text_of(content: Any, where: str, notes: list[str]) -> str:
     return "".join(texts)
 
 
-# -- stop sequences, matched on the streamed text ---------------------------------------
-
-
-class StopSequences:
-    """The answer up to the first stop sequence, and which one it was."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.matcher = StopStringMatcher(stops)
-        self.stops = stops
-        self._seen = ""  # all text fed, to tell which sequence matched
-        self.matched: str | None = None
-
-    def feed(self, piece: str) -> str:
-        if self.matched is not None:
-            return ""
-        self._seen += piece
-        out = self.matcher.feed(piece)
-        if self.matcher.stopped:
-            found = [(self._seen.find(s), -len(s), s) for s in self.stops if s in self._seen]
-            self.matched = min(found)[2]
-        return out
-
-    def flush(self) -> str:
-        return self.matcher.flush()
-
-
 # -- replies --------------------------------------------------------------------------
 
 
@@ -198,8 +168,9 @@ class MessagesReply:
         self._num_blocks = 0  # content blocks started so far in a streamed reply
         self._text_open = False  # the last one started is a text block not yet stopped
 
-    def stop_reason(self, result: dict[str, Any], matched: str | None) -> str:
-        return "stop_sequence" if matched is not None else _STOP_REASONS.get(result["finish_reason"], "end_turn")
+    @staticmethod
+    def stop_reason(result: dict[str, Any]) -> str:
+        return "stop_sequence" if result.get("stop") is not None else _STOP_REASONS.get(result["finish_reason"], "end_turn")
 
     @staticmethod
     def usage(result: dict[str, Any]) -> dict[str, Any]:
@@ -212,12 +183,12 @@ class MessagesReply:
         extras = {"prefixd_cache": cache, "prefixd_timings": result["timings"]}
         return {**extras, "prefixd_notes": self.notes} if self.notes else extras
 
-    def message(self, result: dict[str, Any], text: str, matched: str | None) -> dict[str, Any]:
+    def message(self, result: dict[str, Any], text: str) -> dict[str, Any]:
         calls = result.get("tool_calls") or []
         content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(call) for call in calls]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content,
-                "stop_reason": self.stop_reason(result, matched), "stop_sequence": matched,
+                "stop_reason": self.stop_reason(result), "stop_sequence": result.get("stop"),
                 "usage": self.usage(result), **self._extras(result)}
 
     # streamed: message_start, content_block_start, content_block_delta..., content_block_stop, message_delta, message_stop
@@ -250,8 +221,8 @@ class MessagesReply:
                           "delta": {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}},
                          {"type": "content_block_stop", "index": index}]
 
-    def end_events(self, result: dict[str, Any], matched: str | None) -> list[dict[str, Any]]:
-        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(result, matched), "stop_sequence": matched},
+    def end_events(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(result), "stop_sequence": result.get("stop")},
                  "usage": self.usage(result), **self._extras(result)}
         return self._close_text() + [delta, {"type": "message_stop"}]
 

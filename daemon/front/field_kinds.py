@@ -31,6 +31,7 @@ FIELD_KINDS: dict[str, tuple[str, ...]] = {
                      "top_logprobs", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "min_keep",
                      "n_predict", "n_keep", "id_slot", "num_predict"), (INTEGER,)),
     "stop": (STRING, ARRAY),
+    "stop_sequences": (ARRAY,),  # Anthropic's: an array only
     # switches
     **dict.fromkeys(("stream", "store", "echo", "parallel_tool_calls", "cache_prompt", "penalize_newline",
                      "penalize_nl", "raw", "timings_per_token", "return_tokens"), (BOOLEAN,)),

@@ -16,6 +16,7 @@ from .fim_formats import FimFormat, detect_fim_format
 from .http_errors import invalid
 from .http_jobs import LazyStream, RunningJob, handlers_of, json_object, result_in_stream, sse_data
 from .infill_shapes import AnswerCut, InfillRequest, infill_reply, infill_request
+from .request_fields import stop_strings
 
 _formats: dict[str, FimFormat | None] = {}  # by model fingerprint: a model's tokens never change
 
@@ -55,12 +56,9 @@ async def completion_with_suffix(request: web.Request, body: dict[str, Any]) -> 
         raise invalid("with 'suffix', 'prompt' and 'suffix' must be strings", "suffix")
     model = body.get("model") or None
     fim = await require_fim_format(request, model if isinstance(model, str) else None, "suffix")
-    stops = body.get("stop") or []
-    stops = [stops] if isinstance(stops, str) else list(stops) if isinstance(stops, list) else stops
-    if isinstance(stops, list):
-        stops += [s for s in fim.stops if s not in stops]
-    rest = {key: value for key, value in body.items() if key != "suffix"}
-    return {**rest, "prompt": fim.prompt(prompt, suffix), **({"stop": stops} if stops else {})}
+    stops = stop_strings(body.get("stop"), "stop", fim.stops)
+    rest = {key: value for key, value in body.items() if key not in ("suffix", "stop")}
+    return {**rest, "prompt": fim.prompt(prompt, suffix), **({"stop": list(stops)} if stops else {})}
 
 
 async def infill(request: web.Request) -> web.StreamResponse:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...protocol import methods as m
+from . import request_fields
+from .field_kinds import INTEGER, check_field_kind, check_field_kinds
 from .fim_formats import FimFormat
-from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
-from .sampling_fields import check_sampling_extras, temperature_of
+from .sampling_fields import check_sampling_extras
 
 _PROMPT_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt")
 _GENERATE_FIELDS = ("model", "n_predict", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "cache_prompt")
@@ -47,7 +48,7 @@ class InfillRequest:
     params: m.GenerateParams
     warm_only: bool  # n_predict 0: fill the cache, answer nothing
     stream: bool
-    n_indent: int = 0
+    n_indent: float = 0.0
     t_max_predict_ms: float = 0.0
     response_fields: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
@@ -65,34 +66,33 @@ def infill_request(body: dict[str, Any], fim: FimFormat) -> InfillRequest:
         if body.get(name):
             raise invalid(f"'{name}' is not supported", name)
     text = fim.prompt(texts["input_prefix"] + texts["prompt"], texts["input_suffix"], extra, with_files=True)
-    n_predict = body.get("n_predict", body.get("max_tokens"))
-    if n_predict is not None and (not isinstance(n_predict, int) or isinstance(n_predict, bool)):
-        raise invalid("'n_predict' must be an integer", "n_predict")
-    warm_only = n_predict == 0
-    generate: dict[str, Any] = {"prompt": text, "stream": True}  # always streamed to the front, which may cut the answer
-    if n_predict is not None and n_predict > 0:
-        generate["max_tokens"] = n_predict
-    elif n_predict is not None and n_predict < 0:
-        generate["max_tokens"] = m.MAX_TOKENS_LIMIT  # -1: until the model stops or the context is full
-    for name in ("model", "temperature", "top_p", "seed"):
-        if body.get(name) is not None:
-            generate[name] = body[name]
-    stops = body.get("stop") or []
-    stops = [stops] if isinstance(stops, str) else stops
-    if not isinstance(stops, list):
-        raise invalid("'stop' must be a string or an array of strings", "stop")
-    generate["stop"] = [*stops, *[s for s in fim.stops if s not in stops]][: m.MAX_STOP_STRINGS]
-    cache_prompt = body.get("cache_prompt", True)
-    if not isinstance(cache_prompt, bool):
-        raise invalid("'cache_prompt' must be a boolean", "cache_prompt")
-    if not cache_prompt:
+    sampling = request_fields.generate_fields(body, request_fields.FieldNames(max_tokens=None), added_stops=fim.stops)
+    generate: dict[str, Any] = {"prompt": text, **sampling, "stream": True}  # always streamed to the front, which may cut the answer
+    length = _answer_length(body)
+    warm_only = length == 0
+    if length is not None:
+        generate["max_tokens"] = 1 if warm_only else length
+    if body.get("model") is not None:
+        generate["model"] = body["model"]
+    if body.get("cache_prompt") is False:
         generate["cache"] = {"use": False}  # llama.cpp's "do not reuse a cached prefix"
-    notes += check_sampling_extras({k: body[k] for k in _SAMPLING_EXTRAS if k in body}, temperature_of(body.get("temperature")))
-    if warm_only:
-        generate["max_tokens"] = 1
+    notes += check_sampling_extras({k: body[k] for k in _SAMPLING_EXTRAS if k in body}, generate.get("temperature", 0.0))
     params = m.parse_generate(generate)
-    return InfillRequest(params, warm_only, _bool(body, "stream"), _non_negative(body, "n_indent"),
-                         float(_non_negative(body, "t_max_predict_ms")), _response_fields(body.get("response_fields")), notes)
+    return InfillRequest(params, warm_only, _bool(body, "stream"), request_fields.non_negative(body.get("n_indent"), "n_indent"),
+                         request_fields.non_negative(body.get("t_max_predict_ms"), "t_max_predict_ms"),
+                         _response_fields(body.get("response_fields")), notes)
+
+
+def _answer_length(body: dict[str, Any]) -> int | None:
+    """llama.cpp's n_predict (or max_tokens): 0 a warm-up, negative until the model stops or the context is full; None: absent."""
+    name = "n_predict" if body.get("n_predict") is not None else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return None
+    check_field_kind(value, name, (INTEGER,))
+    if value <= 0:
+        return 0 if value == 0 else m.MAX_TOKENS_LIMIT
+    return request_fields.max_tokens(value, name)
 
 
 def _string(body: dict[str, Any], name: str) -> str:
@@ -107,13 +107,6 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"'{name}' must be a boolean", name)
     return value
-
-
-def _non_negative(body: dict[str, Any], name: str) -> int:
-    value = body.get(name, 0)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise invalid(f"'{name}' must be a non-negative number", name)
-    return int(value)
 
 
 def _extra_chunks(chunks: Any) -> list[tuple[str, str]]:
@@ -153,7 +146,7 @@ class AnswerCut:
     the answer holds a newline, it ends where it is.
     """
 
-    def __init__(self, n_indent: int, t_max_predict_ms: float):
+    def __init__(self, n_indent: float, t_max_predict_ms: float):
         self.n_indent = n_indent
         self.deadline_s = t_max_predict_ms / 1000.0
         self.text = ""

@@ -25,12 +25,12 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from ...protocol import methods as m
-from ...protocol.errors import RpcError
 from ...protocol.keep_alive import parse_keep_alive
 from ...protocol.tools import FINISH_TOOL_CALLS
-from .field_kinds import check_field_kinds
+from . import request_fields
+from .field_kinds import INTEGER, check_field_kind, check_field_kinds
 from .http_errors import invalid, reject_unknown
-from .sampling_fields import check_sampling_extras, temperature_of
+from .sampling_fields import check_sampling_extras
 
 CHAT_FIELDS = ("model", "messages", "tools", "format", "options", "stream", "keep_alive", "think")
 GENERATE_FIELDS = ("model", "prompt", "suffix", "images", "format", "options", "system", "template", "stream", "raw",
@@ -167,15 +167,9 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
     stream = body.get("stream", True)  # Ollama streams unless told not to
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", "stream")
-    generate: dict[str, Any] = {**prompt, "stream": True}  # always streamed to the front; the reply streams if asked
+    sampling = request_fields.generate_fields(options, request_fields.FieldNames(max_tokens=None), "options.", extra_stops)
+    generate: dict[str, Any] = {**prompt, **sampling, "stream": True}  # always streamed to the front; the reply streams if asked
     notes: list[str] = []
-    for name in ("temperature", "top_p", "seed"):
-        if options.get(name) is not None:
-            generate[name] = options[name]
-    stops = options.get("stop")
-    stops = [stops] if isinstance(stops, str) else list(stops or [])
-    if stops or extra_stops:
-        generate["stop"] = [*stops, *[s for s in extra_stops if s not in stops]]
     if options.get("num_predict") is not None:
         generate["max_tokens"] = _num_predict(options["num_predict"])
     if body.get("model"):
@@ -187,31 +181,19 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
         if extras.pop(name, None) is not None:
             notes.append(f"options.{name}: no effect in prefixd" if name in RUNTIME_OPTIONS else
                          f"options.{name}: prefixd uses the model's whole context and never truncates a prompt")
-    notes += check_sampling_extras(extras, temperature_of(generate.get("temperature"), "options.temperature"), "options.")
-    params = _parse(generate, "options.")
+    notes += check_sampling_extras(extras, generate.get("temperature", 0.0), "options.")
+    params = m.parse_generate(generate)
     return OllamaRequest(params, params.model or default_model, stream, notes, params.keep_alive)
 
 
-def _parse(generate: dict[str, Any], where: str) -> m.GenerateParams:
-    try:
-        return m.parse_generate(generate)
-    except RpcError as err:  # parse_generate names the field first ("'max_tokens' must be ..."): name it as sent
-        message = err.message.replace("'max_tokens'", "'num_predict'", 1)
-        name = message.split("'")[1] if message.startswith("'") else None
-        if name in ("temperature", "top_p", "seed", "stop", "num_predict"):
-            raise invalid(message.replace(f"'{name}'", f"'{where}{name}'", 1), where + name) from None
-        raise
-
-
 def _num_predict(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise invalid("'options.num_predict' must be an integer", "options.num_predict")
+    name = "options.num_predict"
+    check_field_kind(value, name, (INTEGER,))
     if value in (-1, -2):  # until the end: "infinite" or "fill the context"; the engine stops at the context's end
         return m.MAX_TOKENS_LIMIT
     if value <= 0:
-        raise invalid("'options.num_predict' must be positive, or -1 (until the model stops or the context is full)",
-                      "options.num_predict")
-    return value
+        raise invalid(f"'{name}' must be positive, or -1 (until the model stops or the context is full)", name)
+    return request_fields.max_tokens(value, name)
 
 
 def _keep_alive(value: Any) -> float | None:

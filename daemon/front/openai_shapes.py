@@ -34,10 +34,9 @@ from typing import Any
 from ...protocol import methods as m
 from ...protocol.errors import RpcError
 from ...protocol.tools import FINISH_TOOL_CALLS
-from . import http_errors
+from . import http_errors, request_fields
 from .field_kinds import BOOLEAN, check_field_kind, check_field_kinds
-from .json_body import parse_json_body  # noqa: F401  (shapes.parse_json_body, as before)
-from .sampling_fields import GREEDY_EXACT, NEUTRAL_VALUES, check_sampling_extras, temperature_of
+from .sampling_fields import GREEDY_EXACT, NEUTRAL_VALUES, check_sampling_extras
 
 _FINISH_REASONS = {m.FINISH_STOP: "stop", m.FINISH_LENGTH: "length", FINISH_TOOL_CALLS: "tool_calls"}
 _invalid = http_errors.invalid
@@ -63,11 +62,11 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("logprobs", "top_logprobs"):
         if body.get(name):
             raise _invalid("logprobs are not supported", name)
-    params: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    for key, value in (("max_tokens", max_tokens), ("temperature", body.get("temperature")), ("top_p", body.get("top_p")),
-                       ("seed", body.get("seed")), ("stop", body.get("stop")), ("stream", body.get("stream")),
-                       ("model", body.get("model") or None), ("session", body.get("session")), ("cache", body.get("cache"))):
+    # max_completion_tokens replaced max_tokens on chat; a client may send both (the newer one counts).
+    length = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = request_fields.generate_fields(body, request_fields.FieldNames(max_tokens=length))
+    for key, value in (("stream", body.get("stream")), ("model", body.get("model") or None),
+                       ("session", body.get("session")), ("cache", body.get("cache"))):
         if value is not None:
             params[key] = value
     return params
@@ -103,7 +102,7 @@ def chat_request(body: Any, notes: list[str] | None = None) -> m.GenerateParams:
     if notes is not None:
         notes += hints
     extras = {name: body.get(name) for name in CHAT_SAMPLING_EXTRAS}
-    check_sampling_extras(extras, temperature_of(body.get("temperature")))
+    check_sampling_extras(extras, request_fields.temperature(body.get("temperature"), "temperature"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
@@ -125,15 +124,9 @@ def _check_stream_options(body: dict[str, Any]) -> None:
 
 
 def _llama_cpp_hints(body: dict[str, Any]) -> list[str]:
-    """Notes on llama.cpp's fields in ``body``; a 400 for one of the wrong type."""
-    if "cache_prompt" in body and not isinstance(body["cache_prompt"], bool):
-        raise _invalid("'cache_prompt' must be a boolean", "cache_prompt")
-    if "id_slot" in body and (not isinstance(body["id_slot"], int) or isinstance(body["id_slot"], bool)):
-        raise _invalid("'id_slot' must be an integer", "id_slot")
-    if "samplers" in body and not (isinstance(body["samplers"], (list, str))):
-        raise _invalid("'samplers' must be an array of sampler names (or llama.cpp's string of letters)", "samplers")
+    """Notes on llama.cpp's fields in ``body`` (their types are checked with the others': field_kinds)."""
     return [note for name, note in LLAMA_CPP_HINTS.items()
-            if name in body and not (name == "cache_prompt" and body[name] is False)]
+            if body.get(name) is not None and not (name == "cache_prompt" and body[name] is False)]
 
 
 def response_format_constraint(response_format: Any) -> dict[str, Any] | None:

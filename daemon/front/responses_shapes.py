@@ -22,6 +22,7 @@ from typing import Any
 
 from ...protocol import methods as m
 from ...protocol.tools import FINISH_TOOL_CALLS
+from . import request_fields
 from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
 from .openai_shapes import response_format_constraint
@@ -87,12 +88,13 @@ def responses_request(body: Any, history: list[dict[str, Any]], default_max_outp
     tools, namespaces = _function_tools(body.get("tools"), notes)
     generate: dict[str, Any] = {
         "messages": chat_messages(instructions, history + items),
-        "max_tokens": _max_output_tokens(body.get("max_output_tokens"), default_max_output_tokens),
+        "max_tokens": default_max_output_tokens,
+        **request_fields.generate_fields(body, request_fields.FieldNames(max_tokens="max_output_tokens", seed=None, stop=None)),
         "stream": True,  # the front always reads the answer as it comes, streamed or not
     }
     if not generate["messages"]:
         raise invalid("the conversation is empty: give 'input'", "input")
-    for name in ("model", "temperature", "top_p", "session", "cache"):
+    for name in ("model", "session", "cache"):
         if body.get(name) is not None:
             generate[name] = body[name]
     if tools:
@@ -154,14 +156,6 @@ def _label_notes(body: dict[str, Any]) -> list[str]:
     if body.get("context_management") is not None:
         notes.append("context_management: left out (prefixd does not compact the conversation)")
     return notes
-
-
-def _max_output_tokens(value: Any, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= m.MAX_TOKENS_LIMIT:
-        raise invalid(f"'max_output_tokens' must be an integer between 1 and {m.MAX_TOKENS_LIMIT}", "max_output_tokens")
-    return value
 
 
 def _function_tools(tools: Any, notes: list[str]) -> tuple[list[dict[str, Any]], frozenset[str]]:

@@ -37,7 +37,8 @@ def check_sampling_extras(fields: dict[str, Any], temperature: float, where: str
     """Refuse (400) the extras in ``fields`` that would change the answer; return notes on the accepted ones.
 
     ``fields`` holds only the extras a caller found in its request (not the
-    fields prefixd samples with); ``where`` prefixes the field names ("options.").
+    fields prefixd samples with); ``temperature`` is the request's, already
+    read (request_fields); ``where`` prefixes the field names ("options.").
     """
     notes: list[str] = []
     for name, value in fields.items():
@@ -52,22 +53,13 @@ def check_sampling_extras(fields: dict[str, Any], temperature: float, where: str
                               where + name)
             notes.append(f"{where}{name}: no effect under greedy decoding (temperature 0)")
         elif name in NEUTRAL_VALUES:
-            if not _is_number(value) or float(value) != NEUTRAL_VALUES[name]:
+            if not _is_number(value) or value != NEUTRAL_VALUES[name]:
                 raise invalid(f"'{where}{name}' is not supported except at its neutral value {NEUTRAL_VALUES[name]:g}", where + name)
         elif name in PENALTY_SHAPES:
             continue  # every penalty is neutral (checked above), so these shape nothing
         else:
             raise invalid(f"'{where}{name}' is not supported by prefixd", where + name)
     return notes
-
-
-def temperature_of(value: Any, name: str = "temperature") -> float:
-    """A request's temperature as a number (0 when absent), or a 400 naming the field: never a 500 from float()."""
-    if value is None:
-        return 0.0
-    if not _is_number(value):
-        raise invalid(f"'{name}' must be a number, got {type(value).__name__}", name)
-    return float(value)
 
 
 def _is_number(value: Any) -> bool:

@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from prefixd.daemon.front.anthropic_shapes import StopSequences
 from prefixd.daemon.front.fim_formats import detect_fim_format
 from prefixd.daemon.front.infill_shapes import AnswerCut
 from prefixd.daemon.front.ollama_shapes import chat_request
@@ -47,12 +46,6 @@ def test_answer_cut_after_the_time_limit_waits_for_a_newline():
     time.sleep(0.01)
     assert cut.feed("def") == "def" and not cut.cut  # past the limit, but no newline yet
     assert cut.feed("\nxyz") == "\nxyz" and cut.cut
-
-
-def test_stop_sequences_name_the_first_one_in_the_text():
-    stops = StopSequences(("END", "ND"))
-    assert stops.feed("abc E") == "abc "
-    assert stops.feed("ND more") == "" and stops.matched == "END"
 
 
 def test_sampling_extras_pass_only_where_they_cannot_change_the_answer():

@@ -41,11 +41,11 @@ def test_anthropic_tools_choice_and_tool_blocks_become_prefixds():
 
 def test_anthropic_reply_and_stream_carry_tool_use_blocks():
     reply = MessagesReply("m", [])
-    message = reply.message(RESULT, "", None)
+    message = reply.message(RESULT, "")
     assert message["stop_reason"] == "tool_use"
     assert message["content"] == [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Oslo"}}]
     events = reply.start_events(10) + reply.text_events("Hi") + reply.tool_use_events({**CALL, "index": 0}) + reply.text_events("!")
-    events += reply.end_events(RESULT, None)
+    events += reply.end_events(RESULT)
     blocks = [(e["type"], e.get("index")) for e in events if e["type"].startswith("content_block")]
     assert blocks == [("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
                       ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
