@@ -31,7 +31,7 @@ from .inbox import Inbox
 from .jobs import FAILED, GenerateJob
 from .model_residency import ModelResidency
 from .scheduler import Scheduler, internal_error
-from .settings import EngineSettings, default_prefill_chunk
+from .settings import CPU_PASS_DEPTH_SCALE, EngineSettings, default_prefill_chunk
 from .warm_up import resolve_mode as warm_up_wanted
 from .warm_up import run_all, warm_up_steps
 
@@ -363,6 +363,7 @@ class Engine:
             resolve_model=self.model_for,
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
+            pass_depth_scale=None if on_gpu else CPU_PASS_DEPTH_SCALE,
         )
         # An engine that loads its own way (ranks' shards: distributed/) loads whole; this one loads a
         # request's model in steps between decode steps.

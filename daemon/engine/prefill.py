@@ -31,6 +31,24 @@ CHECKPOINT_PRIORITY = {"prompt-end": 3, "message": 2, "chunk": 1}
 # A hybrid model's pass ends at a stop only when it spans at least this many tokens
 # and the next stop is at least this far on (see next_stops).
 HYBRID_MIN_PASS_TOKENS = 16
+# A pass shortened at a long context (pass_limit) still feeds at least this many tokens.
+MIN_SHORTENED_PASS_TOKENS = 32
+
+
+def pass_limit(position: int, chunk_size: int, depth_scale: int | None) -> int:
+    """The most tokens the next pass of an attention model feeds at ``position``.
+
+    A pass's cost grows with the context it attends to: on a CPU a token at
+    depth d costs about (1 + d / depth_scale) times one at depth 0 (SmolLM2 on
+    2 cores: 512 tokens take 2 s at depth 0 and 10.6 s at depth 4,096). Every
+    other client waits for the pass under way, so passes shorten as the
+    prompt deepens to keep each about as long as a chunk at depth 0. A
+    function of the depth only, so the same prompt is cut the same way every
+    time. None (a GPU, where the cost hardly grows at these depths): the chunk.
+    """
+    if depth_scale is None:
+        return chunk_size
+    return max(MIN_SHORTENED_PASS_TOKENS, min(chunk_size, chunk_size * depth_scale // (depth_scale + position)))
 
 
 def plan_prefill(start: int, end: int, chunk_size: int, prompt: EncodedPrompt) -> list[tuple[int, str]]:
@@ -117,7 +135,7 @@ def system_prompt_ends(prompt: EncodedPrompt) -> frozenset[int]:
 
 
 def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool,
-               pinned: frozenset[int] = frozenset()) -> list[tuple[int, str]]:
+               pinned: frozenset[int] = frozenset(), depth_scale: int | None = None) -> list[tuple[int, str]]:
     """Take the stops the next forward pass covers off the front of ``plan``.
 
     A hybrid model's conv/SSM state can only be snapshotted where a pass ends,
@@ -138,20 +156,28 @@ def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_h
     through every stop within a chunk of ``position`` (message and chunk
     boundaries become labels only): on a CPU where each pass at a long context
     costs a fixed 0.1 s or more, a chat turn's tail then costs one pass
-    instead of one per message.
+    instead of one per message. At a long context the pass is shortened
+    (``pass_limit``); where it then ends before the next stop, its end is a
+    chunk checkpoint of its own. Hybrid passes keep their stops (a snapshot is
+    taken where a pass ends).
     """
-    taken = [plan.pop(0)]
     if not is_hybrid:
-        while plan and plan[0][0] <= position + chunk_size:
+        reach = position + pass_limit(position, chunk_size, depth_scale)
+        if plan[0][0] > reach:
+            return [(reach, "chunk")]
+        taken = [plan.pop(0)]
+        while plan and plan[0][0] <= reach:
             taken.append(plan.pop(0))
         return taken
+    taken = [plan.pop(0)]
     while plan and plan[0][0] <= position + chunk_size and taken[-1][0] not in pinned and (
             taken[-1][0] - position < HYBRID_MIN_PASS_TOKENS or plan[0][0] - taken[-1][0] < HYBRID_MIN_PASS_TOKENS):
         taken.append(plan.pop(0))
     return taken
 
 
-def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int) -> mx.array | None:
+def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int,
+                 depth_scale: int | None = None) -> mx.array | None:
     """Feed the next chunk of the prompt and store it; the caller checks seq.plan.
 
     The plan stops one token short of the prompt's end (the exact-hit
@@ -162,7 +188,8 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int)
     """
     fault_point("prefill")
     layout = seq.loaded.layout
-    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid, system_prompt_ends(seq.prompt))
+    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid, system_prompt_ends(seq.prompt),
+                       depth_scale)
     depth = stops[-1][0]
     takes_last = not seq.plan and not seq.job.warm_only and not layout.is_hybrid and depth == len(seq.tokens) - 1
     run_to = depth + 1 if takes_last else depth

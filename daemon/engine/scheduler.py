@@ -63,9 +63,11 @@ class Scheduler:
         resolve_model: Callable[[str | None], LoadedModel],
         shadow_rate: float = 0.0,
         shadow_action: str = "log",
+        pass_depth_scale: int | None = None,
     ):
         self.store = store
         self.chunk_size = chunk_size
+        self.pass_depth_scale = pass_depth_scale  # prefill.pass_limit: passes shorten at long contexts (CPU)
         self.max_active = max_active
         self.kv_budget = kv_budget  # shared with the store: it holds what running sequences leave
         self.resolve_model = resolve_model
@@ -75,7 +77,8 @@ class Scheduler:
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         # Seconds spent prefilling and decoding since both last had work (see step).
         self._prefill_s = self._decode_s = 0.0
-        self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=kv_budget.reserve_side)
+        self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=kv_budget.reserve_side,
+                                    depth_scale=pass_depth_scale)
         # A decision taken from this process's clock; ranks in lock-step all take rank 0's (distributed/).
         self.agree: Callable[[bool], bool] = lambda decision: decision
         self.decode_stream: Any = None  # None: each decode batch gets a stream of its own (batch_decoder.py)
@@ -325,7 +328,7 @@ class Scheduler:
         if seq.is_cancelled:
             self._finish(seq, None, FINISH_CANCELLED)
             return
-        logits = prefill_step(seq, self.store, self.chunk_size) if seq.plan else None
+        logits = prefill_step(seq, self.store, self.chunk_size, self.pass_depth_scale) if seq.plan else None
         if seq.plan:
             self._prefill_turns.append(seq)
         elif seq.job.warm_only:

@@ -43,7 +43,7 @@ OUTCOMES = ("match", "mismatch", "dropped", "failed")
 
 class ShadowChecker:
     def __init__(self, rate: float, action: str, chunk_size: int,
-                 reserve: Callable[[int], bool], rng: random.Random | None = None):
+                 reserve: Callable[[int], bool], rng: random.Random | None = None, depth_scale: int | None = None):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"shadow rate {rate} is not between 0 and 1")
         if action not in SHADOW_ACTIONS:
@@ -51,6 +51,7 @@ class ShadowChecker:
         self.rate = rate
         self.action = action
         self._chunk_size = chunk_size
+        self._depth_scale = depth_scale
         self._reserve = reserve  # asks the scheduler for room for the current run's cache (0: none); False: no room
         self._rng = rng or random.Random()
         self._pending: deque[ShadowSample] = deque()
@@ -143,7 +144,7 @@ class ShadowChecker:
             self._conclude(sample, _dropped(sample, "the request was cancelled"))
         if not queue or not self._reserve(queue[0].kv_bytes):
             return False  # nothing to do, or its cache does not fit beside the running requests yet
-        self._current = ShadowRun(queue.popleft(), self._chunk_size)
+        self._current = ShadowRun(queue.popleft(), self._chunk_size, self._depth_scale)
         return True
 
     def drop_current(self, reason: str) -> None:

@@ -85,11 +85,12 @@ class ShadowOutcome:
 
 
 class ShadowRun:
-    def __init__(self, sample: ShadowSample, chunk_size: int):
+    def __init__(self, sample: ShadowSample, chunk_size: int, depth_scale: int | None = None):
         self.sample = sample
         self._loaded = sample.loaded
         self._tokens = sample.prompt.tokens
         self._chunk_size = chunk_size
+        self._depth_scale = depth_scale
         self._cache = make_prompt_cache(self._loaded.model)
         self._position = 0
         # The uncached plan: the stops a cache-less request's prefill would make.
@@ -120,7 +121,7 @@ class ShadowRun:
     def _prefill_pass(self) -> mx.array | None:
         """Mirrors prefill.prefill_step: the last pass of an attention model takes the last token along."""
         stops = next_stops(self._plan, self._position, self._chunk_size, self.is_hybrid,
-                           system_prompt_ends(self.sample.prompt))
+                           system_prompt_ends(self.sample.prompt), self._depth_scale)
         depth = stops[-1][0]
         takes_last = not self._plan and not self.is_hybrid and depth == len(self._tokens) - 1
         run_to = depth + 1 if takes_last else depth
