@@ -1,10 +1,12 @@
 """The engine's inbox: quick control calls first, then generate jobs in fair order.
 
 Thread-safe; the asyncio front puts, the engine thread takes. Generate jobs
-queue per client and are served round-robin across clients, so one client
-with many queued requests cannot starve another: each client with work gets
-the engine in turn, oldest request first within a client. Beyond the limits
-a put fails at once with OVERLOADED instead of waiting.
+queue per lane (a socket connection, or one HTTP client program on one host:
+GenerateJob.fair_lane) and are served round-robin across lanes, so one client
+with many queued requests cannot starve another, however many connections it
+opens: each lane with work gets the engine in turn, oldest request first
+within a lane. The queue limits count per connection (client_id). Beyond the
+limits a put fails at once with OVERLOADED instead of waiting.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class Inbox:
         self.max_queued_per_client = max_queued_per_client
         self._lock = threading.Condition()
         self._controls: deque[Callable[[], Any]] = deque()
-        self._per_client: OrderedDict[str, deque[GenerateJob]] = OrderedDict()
+        self._per_lane: OrderedDict[str, deque[GenerateJob]] = OrderedDict()  # the next lane to serve first
+        self._queued_per_client: dict[str, int] = {}
         self._num_queued = 0
         # Places taken by requests still being encoded on the front's worker threads:
         # they count against the limits, so a burst cannot pass them while it encodes.
@@ -66,11 +69,11 @@ class Inbox:
             if reserved:
                 self._unreserve(job.client_id)
             self._check_room(job.client_id)
-            queue = self._per_client.get(job.client_id)
+            queue = self._per_lane.get(job.fair_lane)
             if queue is None:
-                queue = self._per_client[job.client_id] = deque()
+                queue = self._per_lane[job.fair_lane] = deque()
             queue.append(job)
-            self._num_queued += 1
+            self._count(job.client_id, +1)
             self._lock.notify()
 
     @property
@@ -80,14 +83,14 @@ class Inbox:
     def _check_room(self, client_id: str) -> None:
         if self._closed_error is not None:
             raise _fresh(self._closed_error)
-        self._drop_cancelled(client_id)
-        queue = self._per_client.get(client_id)
+        if self._queued_per_client.get(client_id):
+            self._drop_cancelled(client_id)
         if self._num_queued + self._num_reserved >= self.max_queued:
             self._drop_cancelled(None)
         in_line = self._num_queued + self._num_reserved
         if in_line >= self.max_queued:
             raise RpcError(ErrorCode.OVERLOADED, f"{in_line} requests already queued (limit {self.max_queued}); retry later")
-        mine = (len(queue) if queue is not None else 0) + self._reserved.get(client_id, 0)
+        mine = self._queued_per_client.get(client_id, 0) + self._reserved.get(client_id, 0)
         if mine >= self.max_queued_per_client:
             raise RpcError(
                 ErrorCode.OVERLOADED,
@@ -99,21 +102,27 @@ class Inbox:
             self._drop_cancelled(client_id)
 
     def _drop_cancelled(self, client_id: str | None) -> None:
-        """Answer and forget queued jobs that were cancelled (one client's, or everyone's): they hold no place in line."""
-        clients = [client_id] if client_id is not None else list(self._per_client)
-        for client in clients:
-            queue = self._per_client.get(client)
-            if not queue or not any(job.cancelled.is_set() for job in queue):
+        """Answer and forget queued jobs that were cancelled (one connection's, or everyone's): they hold no place in line."""
+        for lane, queue in list(self._per_lane.items()):
+            dropped = [job for job in queue if job.cancelled.is_set() and client_id in (None, job.client_id)]
+            if not dropped:
                 continue
-            kept = deque(job for job in queue if not job.cancelled.is_set())
-            for job in queue:
-                if job.cancelled.is_set():
-                    job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
-            self._num_queued -= len(queue) - len(kept)
+            for job in dropped:
+                job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
+                self._count(job.client_id, -1)
+            kept = deque(job for job in queue if job not in dropped)
             if kept:
-                self._per_client[client] = kept
+                self._per_lane[lane] = kept
             else:
-                del self._per_client[client]
+                del self._per_lane[lane]
+
+    def _count(self, client_id: str, change: int) -> None:
+        self._num_queued += change
+        count = self._queued_per_client.get(client_id, 0) + change
+        if count:
+            self._queued_per_client[client_id] = count
+        else:
+            del self._queued_per_client[client_id]
 
     def put_control(self, call: Callable[[], Any]) -> None:
         """Queue a control call; raises once the engine is gone (drain_controls), so no caller waits forever."""
@@ -128,7 +137,7 @@ class Inbox:
             return self._controls.popleft() if self._controls else None
 
     def take_job(self) -> GenerateJob | None:
-        """The next job round-robin across clients, without waiting."""
+        """The next job round-robin across lanes, without waiting."""
         with self._lock:
             return self._pop_job()
 
@@ -144,12 +153,12 @@ class Inbox:
     def _pop_job(self) -> GenerateJob | None:
         if not self._num_queued:
             return None
-        client_id, queue = next(iter(self._per_client.items()))
+        lane, queue = next(iter(self._per_lane.items()))
         job = queue.popleft()
-        self._num_queued -= 1
-        del self._per_client[client_id]
-        if queue:  # the client goes to the back of the line
-            self._per_client[client_id] = queue
+        self._count(job.client_id, -1)
+        del self._per_lane[lane]
+        if queue:  # the lane goes to the back of the line
+            self._per_lane[lane] = queue
         return job
 
     def close(self, error: RpcError | None = None) -> list[GenerateJob]:
@@ -157,8 +166,9 @@ class Inbox:
         with self._lock:
             if self._closed_error is None:
                 self._closed_error = error or RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-            jobs = [job for queue in self._per_client.values() for job in queue]
-            self._per_client.clear()
+            jobs = [job for queue in self._per_lane.values() for job in queue]
+            self._per_lane.clear()
+            self._queued_per_client.clear()
             self._num_queued = 0
             self._lock.notify_all()
             return jobs
@@ -176,7 +186,7 @@ class Inbox:
             self._drop_cancelled(None)
             # A request still being encoded holds its place in line (see reserve), so it counts as
             # queued here as it does against the limits: a client that was just accepted sees itself.
-            per_client = {client: len(q) for client, q in self._per_client.items()}
+            per_client = dict(self._queued_per_client)
             for client, count in self._reserved.items():
                 per_client[client] = per_client.get(client, 0) + count
             return {

@@ -33,11 +33,14 @@ FAILED = "failed"  # payload: RpcError
 class GenerateJob:
     """A generate (or, with ``warm_only``, a cache.warm) request on its way through the engine."""
 
-    client_id: str
+    client_id: str  # the connection: its queue limit and its requests' ids
     msgid: int | None
     params: GenerateParams
     emit: Callable[[str, Any], None]
     warm_only: bool = False
+    # Who the engine shares its admissions fairly between (inbox.py); None: the connection. HTTP clients
+    # open a connection per request, so their connections share one lane per host and client program.
+    lane: str | None = None
     encoded: EncodedPrompt | None = None  # the prompt as the front encoded it (else the engine encodes it)
     # The answer's matcher under params.constraint, compiled off the engine thread
     # (Engine.submit; the inline runner compiles at admission). None: unconstrained.
@@ -51,6 +54,10 @@ class GenerateJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     job_id: int = field(default_factory=lambda: next(_job_counter))
+
+    @property
+    def fair_lane(self) -> str:
+        return self.lane or self.client_id
 
     @property
     def request_id(self) -> str:

@@ -149,12 +149,14 @@ class Handlers:
         warm_only: bool = False,
         on_chunk: Callable[[dict], None] | None = None,
         jobs: dict[Any, GenerateJob] | None = None,
+        lane: str | None = None,
     ) -> dict:
         """Run one generate (or cache.warm) job on the engine and return its result map.
 
         The core both fronts share: ``on_chunk`` receives stream chunks on the
         event loop; ``jobs`` (if given) holds the job under ``msgid`` while it
-        runs. Cancelling the awaiting task cancels the job on the engine.
+        runs; ``lane`` is who it shares admissions with (GenerateJob.lane). Cancelling the
+        awaiting task cancels the job on the engine.
         """
         self._check_model(params.model)
         loop = asyncio.get_running_loop()
@@ -166,7 +168,7 @@ class Handlers:
         def emit(kind: str, payload: Any) -> None:  # called on the engine thread
             mailbox.post(events, (kind, payload))
 
-        job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only)
+        job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only, lane=lane)
         if jobs is not None:
             jobs[msgid] = job  # cancellable from here on, encoding included
         try:

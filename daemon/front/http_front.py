@@ -52,7 +52,7 @@ from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
 from .http_connection import (BODY_TIMEOUT_SECONDS, HEADER_TIMEOUT_SECONDS, KEEPALIVE_TIMEOUT_SECONDS, GuardedConnection,
                               client_fault, guard_of)
-from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY
+from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LANE_KEY
 from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
 from .listener import SocketFile, bind_unix_socket
 from .peer_auth import PeerCredentials, PeerPolicy, peer_credentials
@@ -191,6 +191,7 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
     sock = request.transport.get_extra_info("socket") if request.transport else None
     peer = peer_credentials(sock)
     request[CLIENT_KEY] = _client_id(request, peer)
+    request[LANE_KEY] = _fair_lane(request, peer)
     structlog.contextvars.bind_contextvars(client=request[CLIENT_KEY], pid=peer.pid, uid=peer.uid, path=request.path)
     if request.method == "HEAD" and request.path == "/":
         # "Is anyone there?": Claude Code probes so at every start, with no key. The answer tells nothing an open
@@ -264,6 +265,18 @@ def _client_id(request: web.Request, peer: PeerCredentials) -> str:
     peername = request.transport.get_extra_info("peername") if request.transport else None
     if isinstance(peername, tuple):
         return f"http:{peername[0]}:{peername[1]}"
+    return f"http:pid{peer.pid}" if peer.pid else "http"
+
+
+def _fair_lane(request: web.Request, peer: PeerCredentials) -> str:
+    # Who the engine admits fairly against the others (inbox.py). An HTTP client
+    # opens a connection per request, or a pool of them, so a connection is not
+    # a client: over TCP, a client is its host and program (User-Agent); on the
+    # Unix socket, its process. A burst of a thousand connections is then one
+    # lane, and a socket client or another program still gets every other turn.
+    peername = request.transport.get_extra_info("peername") if request.transport else None
+    if isinstance(peername, tuple):
+        return f"http:{peername[0]} {request.headers.get('User-Agent', '')[:100]}".rstrip()
     return f"http:pid{peer.pid}" if peer.pid else "http"
 
 

@@ -23,6 +23,7 @@ from .json_body import parse_json_body
 HANDLERS_KEY = web.AppKey("handlers", Handlers)
 FRONT_KEY = web.AppKey("front", object)
 CLIENT_KEY = web.RequestKey("client_id", str) if hasattr(web, "RequestKey") else "prefixd_client_id"  # aiohttp >= 3.12
+LANE_KEY = web.RequestKey("fair_lane", str) if hasattr(web, "RequestKey") else "prefixd_fair_lane"
 _request_ids = itertools.count(1)
 
 
@@ -66,7 +67,8 @@ class RunningJob:
         self._number = next(_request_ids)
         self._events: asyncio.Queue = asyncio.Queue()
         self.task = asyncio.create_task(self._handlers.run_job(
-            request[CLIENT_KEY], self._number, params, warm_only=warm_only, on_chunk=self._events.put_nowait, jobs=self._jobs))
+            request[CLIENT_KEY], self._number, params, warm_only=warm_only, on_chunk=self._events.put_nowait, jobs=self._jobs,
+            lane=request.get(LANE_KEY)))
         self.task.add_done_callback(lambda _: self._events.put_nowait(None))
 
     async def __aenter__(self) -> "RunningJob":
