@@ -136,7 +136,7 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_timeout_without_
 
 
 async def test_the_deadline_starts_again_for_each_request_and_never_cuts_a_slow_reply():
-    async def slow_job(client_id, number, params, on_chunk, jobs, warm_only=False):
+    async def slow_job(client_id, number, params, on_chunk, jobs, warm_only=False, lane=None):
         await asyncio.sleep(2 * BODY_TIMEOUT)  # answering is not reading
         return {"finish_reason": "stop", "text": "late", "usage": {"prompt_tokens": 1, "completion_tokens": 1},
                 "cache": {"reused_tokens": 0}, "timings": {}}
