@@ -48,8 +48,9 @@ LARK = "lark"
 CONSTRAINT_KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, LARK)
 
 
-def _invalid(message: str) -> RpcError:
-    return RpcError(ErrorCode.INVALID_PARAMS, message)
+def _invalid(message: str, param: str | None = None) -> RpcError:
+    """INVALID_PARAMS; ``param`` names the field at fault, as the error's data ({"param": ...})."""
+    return RpcError(ErrorCode.INVALID_PARAMS, message, {"param": param} if param else None)
 
 
 def single_map_param(params: list[Any]) -> dict[str, Any]:
@@ -72,9 +73,9 @@ def _get(params: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds:
-        raise _invalid(f"'{key}' must be {what}, got a boolean")
+        raise _invalid(f"'{key}' must be {what}, got a boolean", key)
     if not isinstance(value, kinds):
-        raise _invalid(f"'{key}' must be {what}, got {type(value).__name__}")
+        raise _invalid(f"'{key}' must be {what}, got {type(value).__name__}", key)
     return value
 
 
@@ -131,12 +132,12 @@ class Constraint:
 
 def _schema_text(schema: Any, where: str) -> str:
     if not isinstance(schema, dict):
-        raise _invalid(f"'{where}' must be a JSON schema (a map), got {type(schema).__name__}")
+        raise _invalid(f"'{where}' must be a JSON schema (a map), got {type(schema).__name__}", where)
     try:
         # Key order kept: a schema's property order is the order the answer writes them in.
         return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise _invalid(f"'{where}' is not a JSON schema: {exc}") from None
+        raise _invalid(f"'{where}' is not a JSON schema: {exc}", where) from None
 
 
 def parse_constraint(raw: Any, where: str = "constraint") -> Constraint | None:
@@ -145,20 +146,20 @@ def parse_constraint(raw: Any, where: str = "constraint") -> Constraint | None:
         return None
     if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in CONSTRAINT_KINDS:
         raise _invalid(f"'{where}' must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, "
-                       "e.g. {\"json_schema\": {\"type\": \"object\"}} or {\"regex\": \"[0-9]+\"}")
+                       "e.g. {\"json_schema\": {\"type\": \"object\"}} or {\"regex\": \"[0-9]+\"}", where)
     ((kind, value),) = raw.items()
     if kind == JSON_OBJECT:
         if value is not True:
-            raise _invalid(f"'{where}.json_object' must be true")
+            raise _invalid(f"'{where}.json_object' must be true", f"{where}.json_object")
         return Constraint.json_object()
     if kind == JSON_SCHEMA:
         constraint = Constraint(JSON_SCHEMA, _schema_text(value, f"{where}.json_schema"))
     elif not isinstance(value, str) or not value:
-        raise _invalid(f"'{where}.{kind}' must be a non-empty string")
+        raise _invalid(f"'{where}.{kind}' must be a non-empty string", f"{where}.{kind}")
     else:
         constraint = Constraint(kind, value)
     if len(constraint.source) > MAX_CONSTRAINT_CHARS:
-        raise _invalid(f"'{where}.{kind}' is longer than {MAX_CONSTRAINT_CHARS} characters")
+        raise _invalid(f"'{where}.{kind}' is longer than {MAX_CONSTRAINT_CHARS} characters", f"{where}.{kind}")
     return constraint
 
 
@@ -203,22 +204,22 @@ def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
     add_gen = _get(params, "add_generation_prompt", (bool,), True, "a boolean")
     tools = parse_tools(params.get("tools"))
     if tools is not None and given[0] != "messages":
-        raise _invalid("'tools' go into the chat template: they need 'messages'")
+        raise _invalid("'tools' go into the chat template: they need 'messages'", "tools")
     if given[0] == "prompt":
         return PromptInput(text=_get(params, "prompt", (str,), None, "a string"))
     if given[0] == "tokens":
         tokens = params["tokens"]
         if not isinstance(tokens, (list, tuple)) or not tokens:
-            raise _invalid("'tokens' must be a non-empty array of integers")
+            raise _invalid("'tokens' must be a non-empty array of integers", "tokens")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-            raise _invalid("'tokens' must hold non-negative integers only")
+            raise _invalid("'tokens' must hold non-negative integers only", "tokens")
         return PromptInput(tokens=tuple(tokens))
     return PromptInput(messages=_parse_messages(params["messages"]), add_generation_prompt=add_gen, tools=tools)
 
 
 def _parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise _invalid("'messages' must be a non-empty array of {role, content} maps")
+        raise _invalid("'messages' must be a non-empty array of {role, content} maps", "messages")
     parsed = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -248,37 +249,37 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
     _check_keys(params, _GENERATE_KEYS)
     max_tokens = _get(params, "max_tokens", (int,), 256, "an integer")
     if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise _invalid(f"'max_tokens' must be between 1 and {MAX_TOKENS_LIMIT}")
+        raise _invalid(f"'max_tokens' must be between 1 and {MAX_TOKENS_LIMIT}", "max_tokens")
     temperature = float(_get(params, "temperature", (int, float), 0.0, "a number"))
     if not 0.0 <= temperature <= 100.0:
-        raise _invalid("'temperature' must be between 0 and 100 (0 means greedy)")
+        raise _invalid("'temperature' must be between 0 and 100 (0 means greedy)", "temperature")
     top_p = float(_get(params, "top_p", (int, float), 1.0, "a number"))
     if not 0.0 < top_p <= 1.0:
-        raise _invalid("'top_p' must be in (0, 1]")
+        raise _invalid("'top_p' must be in (0, 1]", "top_p")
     seed = _get(params, "seed", (int,), None, "an integer")
     if seed is not None and not 0 <= seed < 2**63:
-        raise _invalid("'seed' must be between 0 and 2**63-1")
+        raise _invalid("'seed' must be between 0 and 2**63-1", "seed")
     stop = params.get("stop")
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise _invalid("'stop' must be a string or an array of non-empty strings")
+        raise _invalid("'stop' must be a string or an array of non-empty strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
-        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings")
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
     cache = parse_cache_options(params)
     if cache.verify and temperature > 0:
-        raise _invalid("'cache.verify' compares greedy runs: it needs temperature 0")
+        raise _invalid("'cache.verify' compares greedy runs: it needs temperature 0", "cache.verify")
     constraint = parse_constraint(params.get("constraint"))
     if cache.verify and constraint is not None:
-        raise _invalid("'cache.verify' re-runs the request unconstrained: it cannot go with 'constraint'")
+        raise _invalid("'cache.verify' re-runs the request unconstrained: it cannot go with 'constraint'", "cache.verify")
     prompt = parse_prompt_input(params)
     tool_choice = parse_tool_choice(params.get("tool_choice"), prompt.tools)
     if tool_choice.forces_call and (constraint is not None or cache.verify):
         # The daemon forces the call with a grammar of its own (the model's tool-call format).
         raise _invalid(f"'tool_choice' that forces a call constrains the answer itself: it cannot go with "
-                       f"'{'constraint' if constraint is not None else 'cache.verify'}'")
+                       f"'{'constraint' if constraint is not None else 'cache.verify'}'", "tool_choice")
     return GenerateParams(
         prompt=prompt,
         model=_get(params, "model", (str,), None, "a string"),
@@ -302,7 +303,7 @@ def _keep_alive(value: Any) -> float | None:
     try:
         return parse_keep_alive(value)
     except ValueError as exc:
-        raise _invalid(f"'keep_alive' {exc}") from None
+        raise _invalid(f"'keep_alive' {exc}", "keep_alive") from None
 
 
 def parse_prompt_request(params: dict[str, Any], extra: set[str] = frozenset()) -> tuple[PromptInput, str | None]:
@@ -316,5 +317,5 @@ def parse_cancel(params: dict[str, Any]) -> int:
     _check_keys(params, {"id"})
     msgid = params.get("id")
     if not isinstance(msgid, int) or isinstance(msgid, bool) or not 0 <= msgid < 2**32:
-        raise _invalid("'id' must be the integer msgid of a generate request on this connection")
+        raise _invalid("'id' must be the integer msgid of a generate request on this connection", "id")
     return msgid

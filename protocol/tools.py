@@ -35,8 +35,9 @@ class ToolChoice:
         return self.mode in (REQUIRED, FUNCTION)
 
 
-def _invalid(message: str) -> RpcError:
-    return RpcError(ErrorCode.INVALID_PARAMS, message)
+def _invalid(message: str, param: str | None = None) -> RpcError:
+    """INVALID_PARAMS; ``param`` names the field at fault, as the error's data ({"param": ...})."""
+    return RpcError(ErrorCode.INVALID_PARAMS, message, {"param": param} if param else None)
 
 
 def parse_tools(tools: Any) -> tuple[dict[str, Any], ...] | None:
@@ -44,19 +45,19 @@ def parse_tools(tools: Any) -> tuple[dict[str, Any], ...] | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, (list, tuple)) or len(tools) > MAX_TOOLS:
-        raise _invalid(f"'tools' must be an array of at most {MAX_TOOLS} {{type: \"function\", function: {{name, ...}}}} maps")
+        raise _invalid(f"'tools' must be an array of at most {MAX_TOOLS} {{type: \"function\", function: {{name, ...}}}} maps", "tools")
     parsed = []
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-            raise _invalid(f"'{where}' must be {{type: \"function\", function: {{name, description?, parameters?}}}}")
+            raise _invalid(f"'{where}' must be {{type: \"function\", function: {{name, description?, parameters?}}}}", where)
         function = tool["function"]
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise _invalid(f"'{where}.function.name' must be a non-empty string")
+            raise _invalid(f"'{where}.function.name' must be a non-empty string", f"{where}.function.name")
         if function.get("description") is not None and not isinstance(function["description"], str):
-            raise _invalid(f"'{where}.function.description' must be a string")
+            raise _invalid(f"'{where}.function.description' must be a string", f"{where}.function.description")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise _invalid(f"'{where}.function.parameters' must be a JSON schema object")
+            raise _invalid(f"'{where}.function.parameters' must be a JSON schema object", f"{where}.function.parameters")
         parsed.append({"type": "function", "function": dict(function)})
     return tuple(parsed)
 
@@ -70,14 +71,14 @@ def parse_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...] | None) -> 
     names = [tool["function"]["name"] for tool in tools or ()]
     if choice == REQUIRED:
         if not names:
-            raise _invalid("'tool_choice' \"required\" needs 'tools' to choose from")
+            raise _invalid("'tool_choice' \"required\" needs 'tools' to choose from", "tool_choice")
         return ToolChoice(REQUIRED)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise _invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}")
+        raise _invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}", "tool_choice")
     if name not in names:
-        raise _invalid(f"'tool_choice' names the function {name!r}, which is not in 'tools' (given: {', '.join(names) or 'none'})")
+        raise _invalid(f"'tool_choice' names the function {name!r}, which is not in 'tools' (given: {', '.join(names) or 'none'})", "tool_choice")
     return ToolChoice(FUNCTION, name)
 
 
@@ -87,13 +88,13 @@ def parse_message_tool_fields(index: int, message: dict[str, Any]) -> dict[str, 
     calls = message.get("tool_calls")
     if calls not in (None, []):
         if not isinstance(calls, (list, tuple)):
-            raise _invalid(f"'messages[{index}].tool_calls' must be an array")
+            raise _invalid(f"'messages[{index}].tool_calls' must be an array", f"messages[{index}].tool_calls")
         out["tool_calls"] = [_tool_call(f"messages[{index}].tool_calls[{n}]", call) for n, call in enumerate(calls)]
     for key in ("tool_call_id", "name"):
         value = message.get(key)
         if value is not None:
             if not isinstance(value, str):
-                raise _invalid(f"'messages[{index}].{key}' must be a string")
+                raise _invalid(f"'messages[{index}].{key}' must be a string", f"messages[{index}].{key}")
             out[key] = value
     return out
 
@@ -101,7 +102,7 @@ def parse_message_tool_fields(index: int, message: dict[str, Any]) -> dict[str, 
 def _tool_call(where: str, call: Any) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-        raise _invalid(f"'{where}' must be {{id?, type?: \"function\", function: {{name, arguments}}}}")
+        raise _invalid(f"'{where}' must be {{id?, type?: \"function\", function: {{name, arguments}}}}", where)
     arguments = function.get("arguments")
     if arguments is None or arguments == "":
         arguments = {}
@@ -109,12 +110,12 @@ def _tool_call(where: str, call: Any) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except ValueError as exc:
-            raise _invalid(f"'{where}.function.arguments' is not valid JSON: {exc}") from None
+            raise _invalid(f"'{where}.function.arguments' is not valid JSON: {exc}", f"{where}.function.arguments") from None
     if not isinstance(arguments, dict):
-        raise _invalid(f"'{where}.function.arguments' must be a JSON object (a map, or a string holding one)")
+        raise _invalid(f"'{where}.function.arguments' must be a JSON object (a map, or a string holding one)", f"{where}.function.arguments")
     parsed: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if call.get("id") is not None:
         if not isinstance(call["id"], str):
-            raise _invalid(f"'{where}.id' must be a string")
+            raise _invalid(f"'{where}.id' must be a string", f"{where}.id")
         parsed["id"] = call["id"]
     return parsed

@@ -92,5 +92,5 @@ def after_token(seq: Any) -> bool:
     index = len(seq.generated) - 1
     state.consume(index, seq.generated[index])
     if state.error is not None:
-        raise ConstraintError(f"'constraint' failed at answer token {index}: {state.error}")
+        raise ConstraintError(f"'constraint' failed at answer token {index}: {state.error}", "constraint")
     return state.is_finished

@@ -61,9 +61,7 @@ class HttpError:
 
 def from_rpc(err: RpcError) -> HttpError:
     status, kind, code = _HTTP_ERRORS.get(err.code, (500, "server_error", None))
-    param = err.data.get("param") if isinstance(err.data, dict) else None
-    if param is None and err.code == ErrorCode.INVALID_PARAMS and err.message.startswith("'"):
-        param = err.message.split("'")[1]  # the validators name the field first: "'max_tokens' must be ..."
+    param = err.data.get("param") if isinstance(err.data, dict) else None  # the validators name the field at fault
     return HttpError(status, err.message, kind, code, param, err.code)
 
 

@@ -76,7 +76,8 @@ class ToolCalls:
             try:
                 constraint = forced_tool_call(tools, model.call_format, params.tool_choice.function, model.added_tokens)
             except ValueError as exc:
-                raise RpcError(ErrorCode.INVALID_PARAMS, f"'tool_choice' cannot force a call on model {card.name}: {exc}") from None
+                raise RpcError(ErrorCode.INVALID_PARAMS, f"'tool_choice' cannot force a call on model {card.name}: {exc}",
+                               {"param": "tool_choice"}) from None
             params = dataclasses.replace(params, constraint=constraint)
         return params, ToolCallReader(model.call_format, msgid, params.stream)
 

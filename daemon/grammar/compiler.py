@@ -33,8 +33,8 @@ MAX_ERROR_CHARS = 800
 class ConstraintError(RpcError):
     """A constraint that does not compile (INVALID_PARAMS), or a model whose tokenizer cannot take one."""
 
-    def __init__(self, message: str):
-        super().__init__(ErrorCode.INVALID_PARAMS, message)
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(ErrorCode.INVALID_PARAMS, message, {"param": param} if param else None)
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -50,8 +50,8 @@ def grammar_text(constraint: Constraint) -> str:
         if kind == LARK:
             return LLMatcher.grammar_from_lark(constraint.source)
     except ValueError as exc:  # grammar_from_json_schema: not a JSON object
-        raise ConstraintError(f"'constraint.{kind}' does not compile: {_short(str(exc))}") from None
-    raise ConstraintError(f"'constraint' kind {kind!r} is not one this daemon knows")
+        raise ConstraintError(f"'constraint.{kind}' does not compile: {_short(str(exc))}", f"constraint.{kind}") from None
+    raise ConstraintError(f"'constraint' kind {kind!r} is not one this daemon knows", "constraint")
 
 
 class GrammarCompiler:
@@ -112,10 +112,12 @@ class GrammarCompiler:
         grammar = grammar_text(constraint)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise ConstraintError(f"'constraint.{constraint.kind}' does not compile: {_short(messages[0])}")
+            raise ConstraintError(f"'constraint.{constraint.kind}' does not compile: {_short(messages[0])}",
+                                  f"constraint.{constraint.kind}")
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(f"'constraint.{constraint.kind}' does not compile: {_short(matcher.get_error())}")
+            raise ConstraintError(f"'constraint.{constraint.kind}' does not compile: {_short(matcher.get_error())}",
+                                  f"constraint.{constraint.kind}")
         with self._lock:
             self._grammars[constraint] = matcher
             self._grammars.move_to_end(constraint)

@@ -199,6 +199,27 @@ def test_generate_validation_names_the_field(params, field):
     assert field in info.value.message
 
 
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"prompt": "x", "keep_alive": "a while"}, "keep_alive"),
+        ({"prompt": "x", "constraint": {"regex": ""}}, "constraint.regex"),
+        ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {}}]},
+         "tools[0].function.name"),
+        ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_an_invalid_field_is_named_in_the_errors_data(params, field):
+    with pytest.raises(RpcError) as info:
+        methods.parse_generate(params)
+    assert info.value.data == {"param": field} and info.value.to_wire()["data"] == {"param": field}
+    assert field in info.value.message
+
+
 def test_prompt_request_and_cancel_validation():
     prompt, model = methods.parse_prompt_request({"messages": [{"role": "user", "content": "a"}], "model": "m"})
     assert prompt.messages == ({"role": "user", "content": "a"},) and model == "m"
