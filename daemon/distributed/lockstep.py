@@ -101,7 +101,7 @@ class LockstepEngine(Engine):
         mx.random.seed(self.channel.agree(int.from_bytes(os.urandom(4), "little")))
         self.scheduler.agree = self._agree
         # One stream for prefill, decode and the exchanges: each rank's collectives in program order.
-        self.scheduler.decode_stream = mx.default_stream(mx.default_device())
+        self.scheduler.runner.decode_stream = mx.default_stream(mx.default_device())
         log.info("rank_ready", rank=self.channel.rank, ranks=self.channel.size, pid=os.getpid(),
                  backend=self.distributed.backend, parallel=self.distributed.parallel,
                  blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))

@@ -207,7 +207,7 @@ class BatchDecoder:
         (a conv/SSM state cannot be trimmed).
         """
         ((uid, seq),) = self._by_uid.items()
-        remaining = seq.params.max_tokens - len(seq.generated)
+        remaining = seq.max_new_tokens - len(seq.generated)
         layout = seq.loaded.layout
         if (remaining < MIN_SOLO_TOKENS_LEFT or uid not in self._generating or layout.is_hybrid
                 or not layout.is_supported):

@@ -28,9 +28,10 @@ from .device_memory import configure_buffer_cache
 from .control_calls import ControlCalls, peak_rss_bytes
 from .faults import fault_point
 from .inbox import Inbox
-from .jobs import FAILED, GenerateJob
+from .jobs import FAILED, GenerateJob, internal_error
 from .model_residency import ModelResidency
-from .scheduler import Scheduler, internal_error
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
 from .settings import CPU_PASS_DEPTH_SCALE, EngineSettings, default_prefill_chunk
 from .warm_up import resolve_mode as warm_up_wanted
 from .warm_up import run_all, warm_up_steps
@@ -361,6 +362,7 @@ class Engine:
             max_active=self.settings.max_active,
             kv_budget=kv_budget,
             resolve_model=self.model_for,
+            runner=ModelRunner(self.store, self.prefill_chunk),
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
             pass_depth_scale=None if on_gpu else CPU_PASS_DEPTH_SCALE,

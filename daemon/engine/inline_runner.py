@@ -14,6 +14,7 @@ from typing import Any
 from ..cache import KvBudget, PrefixStore
 from ..models.loaded_model import LoadedModel
 from .jobs import DONE, FAILED, GenerateJob
+from .model_runner import ModelRunner
 from .scheduler import Scheduler
 
 
@@ -40,7 +41,7 @@ def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore 
 
     kv_budget = store.kv_budget if store is not None else KvBudget(STORELESS_KV_BUDGET_BYTES)
     scheduler = Scheduler(store, chunk_size, max_active=len(jobs), kv_budget=kv_budget,
-                          resolve_model=lambda _: loaded)
+                          resolve_model=lambda _: loaded, runner=ModelRunner(store, chunk_size))
     for job in jobs:
         admitted = scheduler.admit(collecting(job))
         assert admitted, "the KV budget is too small for these jobs"

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import GenerateParams
 from ..models.prompt_encoding import EncodedPrompt
 
@@ -65,3 +66,8 @@ class GenerateJob:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+def internal_error(exc: BaseException, what: str = "internal error") -> RpcError:
+    """The INTERNAL error a request gets when the engine failed on it; the log has the traceback."""
+    return RpcError(ErrorCode.INTERNAL, f"{what}: {type(exc).__name__}: {exc}")

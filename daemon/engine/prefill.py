@@ -11,7 +11,6 @@ Engine thread only.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -25,7 +24,8 @@ from ..models.prompt_encoding import EncodedPrompt
 from .corrupt_fault import corrupted_if_asked
 from .faults import fault_point
 from .jobs import GenerateJob
-from .sequence_state import Phase, SequenceState
+from .sequence_state import SequenceState
+from .step_plan import PrefillPass
 
 CHECKPOINT_PRIORITY = {"prompt-end": 3, "message": 2, "chunk": 1}
 # A hybrid model's pass ends at a stop only when it spans at least this many tokens
@@ -71,8 +71,9 @@ def make_sequence(job: GenerateJob, loaded: LoadedModel) -> SequenceState:
     """The engine's state for a job; raises RpcError for a prompt that does not fit.
 
     The fronts encode prompts on worker threads (job.encoded); a job that
-    comes without (the inline runner) is encoded here. ``max_tokens`` is cut
-    to what the context has room for after the prompt.
+    comes without (the inline runner) is encoded here. The answer's length
+    (``max_new_tokens``) is ``max_tokens`` cut to what the context has room
+    for after the prompt; the request's own parameters stay as they came.
     """
     generates = not job.warm_only
     prompt = job.encoded
@@ -81,9 +82,9 @@ def make_sequence(job: GenerateJob, loaded: LoadedModel) -> SequenceState:
     else:
         loaded.encoder.check_length(len(prompt.tokens), generates)
     room = loaded.context_length - len(prompt.tokens)
-    if generates and job.params.max_tokens > room:
-        job.params = dataclasses.replace(job.params, max_tokens=room)
-    return SequenceState(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)))
+    max_new_tokens = min(job.params.max_tokens, room) if generates else 0
+    return SequenceState(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)),
+                         max_new_tokens=max_new_tokens, uses_cache=job.params.cache.use)
 
 
 def uses_store(store: PrefixStore | None, seq: SequenceState) -> bool:
@@ -92,7 +93,7 @@ def uses_store(store: PrefixStore | None, seq: SequenceState) -> bool:
 
 def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int) -> None:
     """Find the longest usable stored prefix, fork a private cache from it, plan the rest."""
-    loaded, options = seq.loaded, seq.params.cache
+    loaded = seq.loaded
     started = time.monotonic()
     if seq.lease is not None:  # a second lookup, after waiting for a shared prefix
         store.release(seq.lease)
@@ -100,7 +101,7 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     match = None
     if not uses_store(store, seq):
         seq.report.turn_off("unsupported-cache")
-    elif not options.use:
+    elif not seq.uses_cache:
         seq.report.turn_off("disabled")
     else:
         match = store.match(
@@ -116,7 +117,6 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     )
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
-    seq.phase = Phase.PREFILL
     seq.prefill_started_at = started
     seq.lookup_seconds = time.monotonic() - started
     if seq.reused:
@@ -176,29 +176,31 @@ def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_h
     return taken
 
 
-def prefill_step(seq: SequenceState, store: PrefixStore | None, chunk_size: int,
-                 depth_scale: int | None = None) -> mx.array | None:
-    """Feed the next chunk of the prompt and store it; the caller checks seq.plan.
+def prefill_step(seq: SequenceState, store: PrefixStore | None, work: PrefillPass) -> mx.array | None:
+    """Feed the pass the scheduler planned (next_stops) and store it; the stops it reaches leave ``seq.plan``.
 
     The plan stops one token short of the prompt's end (the exact-hit
     checkpoint). On an attention-only model the last pass takes that token
-    along and returns its logits, so the first answer token costs no pass of
-    its own; a hybrid model needs the pass to end at the checkpoint for its
-    snapshot, and runs the last token in ``last_token_logits``.
+    along (``run_to`` is past the last stop) and returns its logits, so the
+    first answer token costs no pass of its own; a hybrid model needs the
+    pass to end at the checkpoint for its snapshot, and runs the last token
+    in ``last_token_logits``.
     """
     fault_point("prefill")
     layout = seq.loaded.layout
-    stops = next_stops(seq.plan, seq.position, chunk_size, layout.is_hybrid, system_prompt_ends(seq.prompt),
-                       depth_scale)
+    if work.run_to < seq.position:
+        raise RuntimeError(f"a prefill pass to {work.run_to} is behind sequence {seq.job.request_id}'s position")
+    stops = list(work.stops)
     depth = stops[-1][0]
-    takes_last = not seq.plan and not seq.job.warm_only and not layout.is_hybrid and depth == len(seq.tokens) - 1
-    run_to = depth + 1 if takes_last else depth
+    takes_last = work.run_to > depth
     started = time.monotonic()
-    logits = seq.loaded.model(mx.array(seq.tokens[seq.position : run_to])[None], cache=seq.cache)
+    logits = seq.loaded.model(mx.array(seq.tokens[seq.position : work.run_to])[None], cache=seq.cache)
     last = logits[:, -1, :] if takes_last else None
     mx.eval([c.state for c in seq.cache] + ([last] if takes_last else []))
-    seq.loaded.note_prefill_rate(run_to - seq.position, time.monotonic() - started)
-    seq.position = run_to
+    seq.loaded.note_prefill_rate(work.run_to - seq.position, time.monotonic() - started)
+    seq.position = work.run_to
+    while seq.plan and seq.plan[0][0] <= depth:  # the stops it reached (none when pass_limit cut it short)
+        seq.plan.pop(0)
     for stop, kind in stops:  # only the last can carry a snapshot; hybrid passes take one stop each
         seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == seq.position else None)
     store_progress(seq, store, seq.cache, seq.tokens[:depth])

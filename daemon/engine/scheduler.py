@@ -1,4 +1,4 @@
-"""The engine's loop body: admit requests, run decode steps, interleave prefill chunks.
+"""The engine's policy: admit requests, then each step decide who decodes and who prefills.
 
 Order of service, every iteration:
 1. admit queued jobs (the inbox hands them out round-robin across clients)
@@ -11,15 +11,18 @@ short request arriving meanwhile gets its first token after at most a chunk
 or two. A prompt that shares a few hundred tokens or more with one being
 prefilled right now waits (WAITING) until that part is stored and then reuses
 it, instead of computing it twice.
+
+The scheduler runs nothing itself: each decision is a StepPlan
+(step_plan.py) that the model runner (model_runner.py, the only MLX code in
+the loop) runs, and the StepResult comes back through ``apply``.
 Engine thread only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 
@@ -27,17 +30,18 @@ from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.methods import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from ..cache import CacheReport, KvBudget, PrefixStore
 from ..common_prefix import common_prefix_length
-from ..kv.fork import capture_snapshot
-from ..models.loaded_model import LoadedModel
-from .batch_decoder import BatchDecoder, sample_first
 from .constrained_sampling import after_token, start_grammar
 from .faults import fault_point
-from .jobs import DONE, FAILED, GenerateJob
-from .prefill import last_token_logits, make_sequence, prefill_step, start_prefill, store_progress
+from .jobs import DONE, FAILED, GenerateJob, internal_error
+from .prefill import make_sequence, next_stops, system_prompt_ends
 from .sequence_state import Phase, SequenceState
 from .shadow_checker import ShadowChecker
 from .shadow_run import ShadowOutcome
-from .ssm_answers import store_replayed_answer
+from .step_plan import Finish, Join, Prefilled, PrefillPass, Runner, StartPrefill, StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from ..models.loaded_model import LoadedModel
+    from .batch_decoder import StepEvent
 
 log = structlog.get_logger("prefixd.scheduler")
 
@@ -54,6 +58,15 @@ MAX_SKIPS_FOR_SHORT_TAILS = 4
 
 
 class Scheduler:
+    """Decides every step and keeps the books; the model runner (model_runner.py) does the device work.
+
+    Each decision is a StepPlan handed to ``runner.run``; its StepResult
+    comes back through ``apply``, which moves the sequences on (phases,
+    prefill turns, replies, the KV budget) and queues the work that result
+    calls for (``_followups``: rows that leave, answers to store, first
+    tokens joining the batch), run before the next decision is taken.
+    """
+
     def __init__(
         self,
         store: PrefixStore | None,
@@ -61,6 +74,7 @@ class Scheduler:
         max_active: int,
         kv_budget: KvBudget,
         resolve_model: Callable[[str | None], LoadedModel],
+        runner: Runner,
         shadow_rate: float = 0.0,
         shadow_action: str = "log",
         pass_depth_scale: int | None = None,
@@ -71,9 +85,10 @@ class Scheduler:
         self.max_active = max_active
         self.kv_budget = kv_budget  # shared with the store: it holds what running sequences leave
         self.resolve_model = resolve_model
+        self.runner = runner
         self.active: list[SequenceState] = []
         self._prefill_turns: deque[SequenceState] = deque()
-        self._decoders: dict[str, BatchDecoder] = {}
+        self._followups = StepPlan()
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         # Seconds spent prefilling and decoding since both last had work (see step).
         self._prefill_s = self._decode_s = 0.0
@@ -81,7 +96,6 @@ class Scheduler:
                                     depth_scale=pass_depth_scale)
         # A decision taken from this process's clock; ranks in lock-step all take rank 0's (distributed/).
         self.agree: Callable[[bool], bool] = lambda decision: decision
-        self.decode_stream: Any = None  # None: each decode batch gets a stream of its own (batch_decoder.py)
 
     # -- admission --------------------------------------------------------------------
 
@@ -102,7 +116,8 @@ class Scheduler:
             seq = make_sequence(job, loaded)
             if not self._reserve_memory(seq):
                 return False
-            self._start(seq)
+            self.active.append(seq)
+            self._run(StepPlan(starts=[StartPrefill(seq)]))  # then _started: its prefill turn, or a wait
         except RpcError as err:
             self._fail_admission(job, seq, err)
         except Exception as exc:  # one bad request must not take the engine down
@@ -155,26 +170,28 @@ class Scheduler:
             total += len(rows) * (longest * loaded.kv_bytes_per_token + loaded.state_bytes_per_sequence)
         return total
 
-    def _start(self, seq: SequenceState) -> None:
-        self.active.append(seq)
-        start_prefill(seq, self.store, self.chunk_size)
+    def _started(self, start: StartPrefill) -> None:
+        """Its lookup is done: a waiter resumes its turn; a new sequence takes one, or waits on a leader."""
+        seq = start.seq
+        if start.distrusted is not None:
+            seq.report.turn_off("distrusted")
+            seq.report.checkpoint = start.distrusted  # the kind it would have reused
+        if seq.phase is Phase.WAITING:  # it now reuses what the leader stored
+            seq.phase = Phase.PREFILL
+            self._prefill_turns.append(seq)
+            return
         if seq.reused and self.shadow.distrusts(seq.loaded.name, seq.report.checkpoint):
-            self._start_without_reuse(seq)
+            # The shadow check caught this checkpoint kind giving wrong output (--shadow-action stop-reuse).
+            kind = seq.report.checkpoint
+            seq.uses_cache = False
+            seq.report = CacheReport(prompt_tokens=len(seq.tokens))
+            self._followups.starts.append(StartPrefill(seq, distrusted=kind))
+            return
         leader, shared = self._prefilling_leader(seq)
         if leader is not None:
             seq.phase, seq.waiting_on, seq.waiting_for = Phase.WAITING, leader, shared
         else:
             self._prefill_turns.append(seq)
-
-    def _start_without_reuse(self, seq: SequenceState) -> None:
-        """The shadow check caught this checkpoint kind giving wrong output (--shadow-action stop-reuse)."""
-        kind = seq.report.checkpoint
-        cache = dataclasses.replace(seq.params.cache, use=False)
-        seq.job.params = dataclasses.replace(seq.params, cache=cache)
-        seq.report = CacheReport(prompt_tokens=len(seq.tokens))
-        start_prefill(seq, self.store, self.chunk_size)
-        seq.report.turn_off("distrusted")
-        seq.report.checkpoint = kind  # the kind it would have reused
 
     def _prefilling_leader(self, seq: SequenceState) -> tuple[SequenceState | None, int]:
         """Another sequence now prefilling a prefix this one shares beyond its own reuse, and how much they share.
@@ -184,7 +201,7 @@ class Scheduler:
         is 2,048 tokens; the old threshold of half a chunk let four sessions
         on a 580-token system prompt each prefill it themselves.)
         """
-        if not seq.params.cache.use:
+        if not seq.uses_cache:
             return None, 0
         threshold = min(MIN_SHARED_TOKENS_TO_WAIT, self.chunk_size // 2)
         for other in self.active:
@@ -215,42 +232,49 @@ class Scheduler:
         about a step and ends in a first token.
         """
         self._wake_waiters()
-        decoding = any(len(decoder) for decoder in self._decoders.values())
+        decoding = any(seq.phase is Phase.DECODE for seq in self.active)
         prefilling = any(seq.phase is Phase.PREFILL for seq in self._prefill_turns)
         if not decoding or not prefilling:
             self._prefill_s = self._decode_s = 0.0  # nothing to share with: no credit builds up
         started = time.monotonic()
-        for decoder in list(self._decoders.values()):
-            if len(decoder):
-                self._decode_step(decoder)
+        self._run(StepPlan(decode=self._decoding_models()))
         self._decode_s += time.monotonic() - started
         started = time.monotonic()
         self._prefill_short_tails()
         self._prefill_s += time.monotonic() - started
         started = time.monotonic()
         if decoding and self.agree(self._prefill_s > self._decode_s):
-            self._prefill_last_pass()
+            seq = self._pick_last_pass()
         else:
-            self._prefill_one()
+            seq = self._pick_one()
+        if seq is not None:
+            self._run(self._plan_pass(seq))
         self._prefill_s += time.monotonic() - started
 
+    def _run(self, plan: StepPlan) -> None:
+        """Run ``plan`` and apply its result, then the follow-ups that result called for, until none is left."""
+        while plan:
+            self.apply(self.runner.run(plan))
+            plan, self._followups = self._followups, StepPlan()
+
+    def _decoding_models(self) -> list[str]:
+        return list(dict.fromkeys(seq.loaded.name for seq in self.active if seq.phase is Phase.DECODE))
+
     def _wake_waiters(self) -> None:
-        for seq in list(self.active):  # a restart may finish (and remove) a cancelled waiter
+        plan = StepPlan()
+        for seq in self.active:
             leader = seq.waiting_on
             if seq.phase is Phase.WAITING and (leader.phase is not Phase.PREFILL or seq.is_cancelled
                                                or leader.stored_upto >= seq.waiting_for):
                 seq.waiting_on = None
-                self._guard(seq, lambda s=seq: self._restart(s))
+                if seq.is_cancelled:
+                    plan.finishes.append(Finish(seq, FINISH_CANCELLED))
+                else:
+                    plan.starts.append(StartPrefill(seq))  # a second lookup finds what the leader stored
+        self._run(plan)
 
-    def _restart(self, seq: SequenceState) -> None:
-        if seq.is_cancelled:
-            self._finish(seq, None, FINISH_CANCELLED)
-            return
-        start_prefill(seq, self.store, self.chunk_size)  # now reuses what the leader stored
-        self._prefill_turns.append(seq)
-
-    def _prefill_one(self) -> None:
-        """One chunk for the prefilling sequence with the least prompt left.
+    def _pick_one(self) -> SequenceState | None:
+        """The prefilling sequence with the least prompt left goes next.
 
         Shortest-remaining-first gets a short request to its first token
         after at most one chunk of a long one; a sequence passed over twice
@@ -259,16 +283,16 @@ class Scheduler:
         turns = [s for s in self._prefill_turns if s.phase is Phase.PREFILL]
         self._prefill_turns = deque(turns)
         if not turns:
-            return
+            return None
         starved = [s for s in turns if s.num_prefill_skips >= 2]
         seq = starved[0] if starved else min(turns, key=lambda s: len(s.tokens) - s.position)
         self._prefill_turns.remove(seq)
         for other in self._prefill_turns:
             other.num_prefill_skips += 1
         seq.num_prefill_skips = 0
-        self._guard(seq, lambda: self._prefill_chunk(seq))
+        return seq
 
-    def _prefill_last_pass(self) -> None:
+    def _pick_last_pass(self) -> SequenceState | None:
         """On decode's turn, still one pass for a prompt whose rest fits in one chunk (it ends in a first token).
 
         Agents send their turns together: each a few hundred new tokens on a
@@ -284,12 +308,12 @@ class Scheduler:
         """
         last = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and len(s.tokens) - s.position <= self.chunk_size]
         if not last:
-            return
+            return None
         seq = min(last, key=lambda s: len(s.tokens) - s.position)
         self._prefill_turns.remove(seq)
         for other in self._prefill_turns:
             other.num_prefill_skips += 1
-        self._guard(seq, lambda: self._prefill_chunk(seq))
+        return seq
 
     def _prefill_short_tails(self) -> int:
         """Prefill waiting short tails one after another, ahead of the decode steps' turn; how many ran.
@@ -309,7 +333,7 @@ class Scheduler:
 
         passed_over = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and not is_short(s)]
         if any(s.num_prefill_skips >= MAX_SKIPS_FOR_SHORT_TAILS for s in passed_over):
-            return 0  # a long prompt waited long enough: its chunk comes first (_prefill_one)
+            return 0  # a long prompt waited long enough: its chunk comes first (_pick_one)
         ran = 0
         while ran < MAX_SHORT_TAILS_PER_STEP:
             tails = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and is_short(s)]
@@ -317,119 +341,115 @@ class Scheduler:
                 break
             seq = min(tails, key=lambda s: len(s.tokens) - s.position)
             self._prefill_turns.remove(seq)
-            self._guard(seq, lambda s=seq: self._prefill_chunk(s))
+            self._run(self._plan_pass(seq))
             ran += 1
         if ran:
             for seq in passed_over:
                 seq.num_prefill_skips += 1
         return ran
 
-    def _prefill_chunk(self, seq: SequenceState) -> None:
+    def _plan_pass(self, seq: SequenceState) -> StepPlan:
+        """The next pass of a prompt whose turn it is: up to its next stops (prefill.next_stops)."""
         if seq.is_cancelled:
-            self._finish(seq, None, FINISH_CANCELLED)
+            return StepPlan(finishes=[Finish(seq, FINISH_CANCELLED)])
+        generates = not seq.job.warm_only
+        if not seq.plan:  # the store held all but the last token
+            return StepPlan(prefill=[PrefillPass(seq, (), seq.position, samples_first=generates)])
+        hybrid = seq.loaded.layout.is_hybrid
+        left = list(seq.plan)  # next_stops takes the pass's stops off this copy; the runner's pass, off seq.plan
+        stops = next_stops(left, seq.position, self.chunk_size, hybrid, system_prompt_ends(seq.prompt),
+                           self.pass_depth_scale)
+        is_last = not left
+        depth = stops[-1][0]
+        # An attention model's last pass takes the prompt's last token along: its logits give the first token.
+        takes_last = is_last and generates and not hybrid and depth == len(seq.tokens) - 1
+        run_to = depth + 1 if takes_last else depth
+        return StepPlan(prefill=[PrefillPass(seq, tuple(stops), run_to, samples_first=is_last and generates)])
+
+    # -- what the runner did --------------------------------------------------------------
+
+    def apply(self, result: StepResult) -> None:
+        """The bookkeeping after a plan ran: failures, ends, lookups, decoded tokens, prefill passes."""
+        for seq, err in result.failures:
+            self._fail(seq, err)
+        for name, err in result.dropped_models:
+            for seq in [s for s in self.active if s.phase is Phase.DECODE and s.loaded.name == name]:
+                self._fail(seq, err)
+        for finish in result.finished:
+            self._guard(finish.seq, lambda f=finish: self._finished(f))
+        for start in result.started:
+            self._guard(start.seq, lambda s=start: self._started(s))
+        for event in result.tokens:
+            self._take_token(event)
+        for done in result.prefilled:
+            self._guard(done.seq, lambda d=done: self._prefilled(d))
+
+    def _prefilled(self, done: Prefilled) -> None:
+        seq = done.seq
+        if seq.phase is Phase.DONE:
             return
-        logits = prefill_step(seq, self.store, self.chunk_size, self.pass_depth_scale) if seq.plan else None
         if seq.plan:
             self._prefill_turns.append(seq)
         elif seq.job.warm_only:
             self._finish(seq, None, FINISH_STOP)
         else:
-            self._start_answer(seq, logits)
+            self._start_answer(seq, done.token, done.logits)
 
-    def _start_answer(self, seq: SequenceState, logits: Any) -> None:
-        """Sample the first token from the prompt's last logits here, then hand the rest to the batch.
+    def _start_answer(self, seq: SequenceState, token: int, logits: Any) -> None:
+        """The first token, sampled from the prompt's last logits: out at once, then the rest in the batch.
 
-        The first token is out as soon as the prompt is done: no wait for the
-        next batch step, and no second pass at a long context (on an attention
-        model the last prefill pass already gave these logits).
+        No wait for the next batch step, and no second pass at a long context
+        (on an attention model the last prefill pass already gave these logits).
         """
-        fault_point("first_token")
-        if logits is None:
-            logits = last_token_logits(seq)
-        token = sample_first(seq, logits)
         if seq.grammar is None:
             self.shadow.keep(seq, logits)
         stopped = seq.on_token(token)  # True on an end token or a stop string
         stopped = after_token(seq) or stopped  # True when the constraint's grammar is complete
-        if stopped or seq.params.max_tokens <= 1:
+        if stopped or seq.max_new_tokens <= 1:
             self._finish(seq, seq.cache, FINISH_STOP if stopped else FINISH_LENGTH)
             return
         seq.phase = Phase.DECODE
-        self._decoder_for(seq).add(seq, [token], seq.params.max_tokens - 1)
+        self._followups.joins.append(Join(seq, token, seq.max_new_tokens - 1))
 
-    def _decode_step(self, decoder: BatchDecoder) -> None:
+    def _take_token(self, event: StepEvent) -> None:
+        seq = event.seq
+        if seq.phase is Phase.DONE:
+            return  # failed with a dropped batch: already answered
         try:
-            events = decoder.step()
-        except Exception as exc:
-            log.exception("decode_step_failed", num_rows=len(decoder))
-            self._drop_decoder(decoder, internal_error(exc, "the decode step failed"))
-            return
-        for event in events:
-            seq = event.seq
-            if seq.phase is Phase.DONE:
-                continue  # failed with a dropped batch earlier in this loop: already answered
-            try:
-                fault_point("token")
-                stopped = seq.on_token(event.token)
-                stopped = after_token(seq) or stopped  # a complete grammar ends the answer; a failed one raises
-                if event.done_by_batch:
-                    reason = FINISH_STOP if event.token in seq.loaded.eos_token_ids else FINISH_LENGTH
-                    self._finish(seq, event.cache, FINISH_STOP if stopped else reason)
-                elif stopped or seq.is_cancelled:
-                    cache = decoder.remove(seq)
-                    self._finish(seq, cache, FINISH_STOP if stopped else FINISH_CANCELLED)
-            except RpcError as err:  # this request's own failure (its constraint): it alone ends
-                self._fail(seq, err)
-            except Exception as exc:
-                log.exception("sequence_failed", request_id=seq.job.request_id, phase="decode")
-                self._fail(seq, internal_error(exc))
-
-    def _leave_batch(self, seq: SequenceState, err: RpcError) -> None:
-        """Take a failing sequence's row out of its batch; a batch that cannot let go of it is dropped."""
-        decoder = self._decoders.get(seq.loaded.name)
-        if decoder is None or not decoder.holds(seq):
-            return
-        try:
-            decoder.remove(seq)
-        except Exception:
-            log.exception("batch_remove_failed", request_id=seq.job.request_id)
-            self._drop_decoder(decoder, err)
-
-    def _drop_decoder(self, decoder: BatchDecoder, err: RpcError) -> None:
-        """Forget a broken batch: every sequence in it fails with ``err``; the next joiner starts a new one."""
-        name = next((k for k, v in self._decoders.items() if v is decoder), None)
-        self._decoders.pop(name, None)
-        for seq in [s for s in self.active if s.phase is Phase.DECODE and s.loaded.name == name]:
+            fault_point("token")
+            stopped = seq.on_token(event.token)
+            stopped = after_token(seq) or stopped  # a complete grammar ends the answer; a failed one raises
+            if event.done_by_batch:
+                reason = FINISH_STOP if event.token in seq.loaded.eos_token_ids else FINISH_LENGTH
+                self._finish(seq, event.cache, FINISH_STOP if stopped else reason)
+            elif stopped or seq.is_cancelled:
+                self._finish(seq, None, FINISH_STOP if stopped else FINISH_CANCELLED, leaves_batch=True)
+        except RpcError as err:  # this request's own failure (its constraint): it alone ends
             self._fail(seq, err)
+        except Exception as exc:
+            log.exception("sequence_failed", request_id=seq.job.request_id, phase="decode")
+            self._fail(seq, internal_error(exc))
 
     def forget_model(self, name: str) -> None:
-        """Drop an unloaded model's decode batch (empty: its jobs pinned it), so a reload gets one for its new weights."""
-        decoder = self._decoders.pop(name, None)
-        if decoder is not None and len(decoder):
-            raise RuntimeError(f"model {name} was unloaded with {len(decoder)} rows decoding")
-
-    def _decoder_for(self, seq: SequenceState) -> BatchDecoder:
-        decoder = self._decoders.get(seq.loaded.name)
-        if decoder is None:
-            decoder = self._decoders[seq.loaded.name] = BatchDecoder(seq.loaded.model, seq.loaded.eos_token_ids,
-                                                                     stream=self.decode_stream)
-        return decoder
+        """An unloaded model's decode batch goes (empty: its jobs pinned it), so a reload gets one for its new weights."""
+        self.runner.forget_model(name)
 
     # -- the end of a sequence ------------------------------------------------------------
 
-    def _finish(self, seq: SequenceState, cache: list[Any] | None, finish_reason: str) -> None:
-        fault_point("finish")
+    def _finish(self, seq: SequenceState, cache: list[Any] | None, reason: str, leaves_batch: bool = False) -> None:
+        """It ends: the runner takes it out of its batch and stores its answer (from ``cache``), then _finished."""
+        self._followups.finishes.append(Finish(seq, reason, cache, leaves_batch))
+
+    def _finished(self, finish: Finish) -> None:
+        seq = finish.seq
+        if seq.phase is Phase.DONE:
+            return  # failed meanwhile: already answered
         if seq.phase is not Phase.WAITING and seq.first_token_at is not None:
             seq.flush_text()
-        if cache is not None:
-            try:
-                self._store_answer(seq, cache)
-            except Exception:  # the answer is done: a cache that could not keep it costs reuse, not the reply
-                log.exception("store_answer_failed", request_id=seq.job.request_id)
         self._release(seq)
         self.counters["cancelled" if seq.is_cancelled else "completed"] += 1
         verify = seq.params.cache.verify
-        result = seq.finish(finish_reason, send=not verify)
+        result = seq.finish(finish.reason, send=not verify)
         try:
             self.shadow.take_finished(seq, lambda outcome: _send_verified(seq, result, outcome))
         except Exception:  # the answer is done: a check that could not be queued costs the check only
@@ -437,27 +457,15 @@ class Scheduler:
             if verify:
                 _send_verified(seq, result, None, "the check could not be queued")
 
-    def _store_answer(self, seq: SequenceState, cache: list[Any]) -> None:
-        """Keep prompt + answer, so the next turn of a chat reuses the answer it just got."""
-        fault_point("store_answer")
-        layout = seq.loaded.layout
-        if not layout.attention_layers:
-            if layout.state_layers:  # pure SSM: no offset to read the depth from, so the answer is run again
-                store_replayed_answer(seq, self.store, self.chunk_size)
-            return
-        depth = cache[layout.attention_layers[0]].offset
-        tokens = seq.all_tokens()[:depth]
-        if len(tokens) != depth:
-            return
-        seq.checkpoints[depth] = ("answer-end", capture_snapshot(cache, layout))
-        store_progress(seq, self.store, cache, tokens)
-
     def _fail(self, seq: SequenceState, err: RpcError) -> None:
         if seq.phase is Phase.DONE:
             return  # already answered
+        in_batch = seq.phase is Phase.DECODE
         seq.phase = Phase.DONE
+        self._followups.forget(seq)
         try:
-            self._leave_batch(seq, err)
+            if in_batch:
+                self._followups.drops.append(seq)  # its row leaves the batch (or the batch goes)
             self._release(seq)
         finally:  # the reply goes out whatever the cleanup met
             self.counters["failed"] += 1
@@ -478,9 +486,9 @@ class Scheduler:
         """After a failure the engine could not pin on one request: fail every running one, drop all batches.
 
         What the engine thread keeps afterwards is a clean scheduler: no
-        sequence, no batch, every lease released.
+        sequence, no batch, no planned work, every lease released.
         """
-        self._decoders.clear()
+        self.runner.reset()
         self.shadow.fail_all(err.message)
         for seq in list(self.active):
             try:
@@ -490,6 +498,7 @@ class Scheduler:
                 seq.job.emit(FAILED, err)
         self.active.clear()
         self._prefill_turns.clear()
+        self._followups = StepPlan()
         self.kv_budget.reserve_running(0)
 
     def _guard(self, seq: SequenceState, action: Callable[[], None]) -> None:
@@ -522,18 +531,13 @@ def _send_verified(seq: SequenceState, result: dict[str, Any], outcome: ShadowOu
     seq.job.emit(DONE, {**result, "verify": verify})
 
 
-def internal_error(exc: BaseException, what: str = "internal error") -> RpcError:
-    """The INTERNAL error a request gets when the engine failed on it; the log has the traceback."""
-    return RpcError(ErrorCode.INTERNAL, f"{what}: {type(exc).__name__}: {exc}")
-
-
 # KV buffers grow in steps of this many tokens (mlx-lm's KVCache.step), so a
 # sequence may hold up to one step more than it has tokens.
 KV_GROWTH_STEP_TOKENS = 256
 
 
 def _reserved_tokens(seq: SequenceState) -> int:
-    new_tokens = 0 if seq.job.warm_only else seq.params.max_tokens
+    new_tokens = 0 if seq.job.warm_only else seq.max_new_tokens
     return len(seq.tokens) + new_tokens + KV_GROWTH_STEP_TOKENS
 
 

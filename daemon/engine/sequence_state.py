@@ -31,11 +31,29 @@ class Phase(Enum):
 
 @dataclass(eq=False)
 class SequenceState:
+    """One request inside the engine. Its parameters (``job.params``) stay as they came; what changes is here.
+
+    Each group of fields has one writer: the scheduler (scheduler.py), the
+    model runner's prefill and decode code (prefill.py, batch_decoder.py,
+    solo_decoder.py, through model_runner.py), and this class's own methods
+    (the answer as it goes out).
+    """
+
     job: GenerateJob
     loaded: LoadedModel
     prompt: EncodedPrompt
     report: CacheReport
+    # The scheduler's: what this request may do and where it stands.
+    max_new_tokens: int = 0  # max_tokens, cut to what the context has room for after the prompt
+    uses_cache: bool = True  # cache.use, unless the shadow check distrusted what it would reuse
     phase: Phase = Phase.PREFILL
+    waiting_on: "SequenceState | None" = None
+    waiting_for: int = 0  # the depth of waiting_on's prompt that must be stored before this one resumes
+    kv_bytes_estimate: int = 0
+    num_prefill_skips: int = 0  # prefill turns given to others in a row
+    shadow_wanted: bool = False  # the shadow check will compare this request (shadow_checker.py)
+    shadow_logits: Any = None  # its prompt's last logits, kept for that comparison
+    # The runner's: the live cache, the prefill's progress and what the store holds of it.
     lease: Lease | None = None  # the store's lock on the reused prefix
     cache: list[Any] | None = None  # the live cache while prefilling
     reused: int = 0
@@ -43,24 +61,19 @@ class SequenceState:
     stored_upto: int = 0  # tokens of this sequence the store already holds
     plan: list[tuple[int, str]] = field(default_factory=list)  # remaining (depth, kind) prefill stops
     checkpoints: dict[int, tuple[str, Any]] = field(default_factory=dict)  # not yet handed to the store
-    waiting_on: "SequenceState | None" = None
-    waiting_for: int = 0  # the depth of waiting_on's prompt that must be stored before this one resumes
     uid: int | None = None  # row id in the decode batch
     sampler: Any = None  # made once per sequence (batch_decoder.sampler_for)
+    prefill_started_at: float | None = None
+    lookup_seconds: float = 0.0  # store match and fork
+    # The answer's (on_token, flush_text, finish).
     generated: list[int] = field(default_factory=list)  # sampled tokens, eos included
     pieces: list[str] = field(default_factory=list)
     num_chunks: int = 0
     completion_tokens: int = 0
     started_at: float = field(default_factory=time.monotonic)
-    prefill_started_at: float | None = None
-    lookup_seconds: float = 0.0  # store match and fork
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
-    kv_bytes_estimate: int = 0
-    num_prefill_skips: int = 0  # prefill turns given to others in a row
-    shadow_wanted: bool = False  # the shadow check will compare this request (shadow_checker.py)
-    shadow_logits: Any = None  # its prompt's last logits, kept for that comparison
 
     def __post_init__(self) -> None:
         self.detokenizer = self.loaded.tokenizer.detokenizer
