@@ -32,7 +32,7 @@ preload_blas()
 import mlx.core as mx  # noqa: E402
 
 from prefixd.daemon.cache import PrefixStore  # noqa: E402
-from prefixd.daemon.engine import prefill, scheduler, warm_up  # noqa: E402
+from prefixd.daemon.engine import model_runner, prefill, warm_up  # noqa: E402
 from prefixd.daemon.engine.inline_runner import run_one_inline  # noqa: E402
 from prefixd.daemon.engine.jobs import GenerateJob  # noqa: E402
 from prefixd.daemon.models.loaded_model import load_model  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> int:
     prefill.fork_cache = timed("fork", prefill.fork_cache,
                                lambda model, layout, segments, snapshot, depth: f"{len(segments)} segments, {depth} tokens")
     prefill.store_progress = timed("store", prefill.store_progress, lambda seq, store, cache, tokens: f"to {len(tokens)}")
-    scheduler.sample_first = timed("first token", scheduler.sample_first)
+    model_runner.sample_first = timed("first token", model_runner.sample_first)
     object.__setattr__(loaded, "model", TimedModel(loaded.model))
 
     turns = []
