@@ -69,7 +69,8 @@ class FakeRunner:
     def __init__(self, clock: FakeClock):
         self.clock = clock
         self.plans: list[StepPlan] = []
-        self.passes: list[str] = []  # the request id of every prefill pass, in order
+        self.passes: list[str] = []  # the client of every prefill pass, in order
+        self.pass_tokens: list[int] = []  # how many tokens each fed
         self.rows: dict[Any, int] = {}  # decoding sequence -> tokens it may still get
         self.fail_pass_of: set[str] = set()
         self.stored: list[Any] = []
@@ -108,7 +109,9 @@ class FakeRunner:
             if work.stops:
                 self.clock.now += PASS_S
                 self.passes.append(seq.job.client_id)
-                del seq.plan[: len(work.stops)]
+                self.pass_tokens.append(work.run_to - seq.position)
+                while seq.plan and seq.plan[0][0] <= work.stops[-1][0]:
+                    seq.plan.pop(0)
                 seq.position = work.run_to
                 seq.stored_upto = work.stops[-1][0]
             result.prefilled.append(Prefilled(seq, ANSWER_TOKEN if work.samples_first else None))
@@ -169,8 +172,9 @@ def replies():
     return Replies()
 
 
-def make_scheduler(runner: FakeRunner, max_active: int = 8, budget: int = 1 << 30) -> Scheduler:
-    return Scheduler(None, CHUNK_SIZE, max_active, KvBudget(budget), resolve_model=lambda name: MODEL, runner=runner)
+def make_scheduler(runner: FakeRunner, max_active: int = 8, budget: int = 1 << 30, **options) -> Scheduler:
+    return Scheduler(None, CHUNK_SIZE, max_active, KvBudget(budget), resolve_model=lambda name: MODEL, runner=runner,
+                     **options)
 
 
 MODEL = FakeModel()
@@ -338,3 +342,13 @@ def test_a_request_cut_to_the_context_keeps_its_own_parameters(runner, replies):
     assert seq.max_new_tokens == 10 and job.params.max_tokens == 100
     run_until_idle(scheduler)
     assert replies.final("long answer")[1]["usage"]["completion_tokens"] == 10
+
+
+def test_on_a_cpu_the_planned_passes_shorten_as_the_prompt_deepens(runner, replies):
+    scheduler = make_scheduler(runner, pass_depth_scale=1024)
+    scheduler.admit(replies.job("long", 12 * CHUNK_SIZE, max_tokens=1))
+    run_until_idle(scheduler)
+    assert runner.pass_tokens[0] == CHUNK_SIZE
+    assert runner.pass_tokens[-2] < runner.pass_tokens[1] < CHUNK_SIZE
+    assert sum(runner.pass_tokens) == 12 * CHUNK_SIZE  # every prompt token fed once, the last one included
+    assert replies.final("long")[0] == DONE
