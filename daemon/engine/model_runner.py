@@ -26,7 +26,7 @@ from .sequence_state import SequenceState
 from .ssm_answers import store_replayed_answer
 from .step_plan import Finish, Join, Prefilled, PrefillPass, StartPrefill, StepPlan, StepResult
 
-log = structlog.get_logger("prefixd.scheduler")
+log = structlog.get_logger("prefixd.runner")
 
 
 class ModelRunner:
