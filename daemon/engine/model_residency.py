@@ -84,12 +84,15 @@ class ModelResidency:
         clock: Callable[[], float] = time.monotonic,
         load_steps: Callable[[CatalogEntry], Generator[None, None, LoadedModel]] | None = None,
         serving: Callable[[], set[str]] | None = None,
+        unloads_idle: bool = True,
     ):
         """``load``: a whole load (at start, Ollama's load request); ``load_steps``: a load in steps, one per
         engine iteration, for a request's model (None: requests load whole too); ``serving``: the models
         whose jobs the engine has taken in (running, or held for KV room), which room is never made from;
-        None: every job, queued ones too, keeps its model from being unloaded for room."""
+        None: every job, queued ones too, keeps its model from being unloaded for room; ``unloads_idle``:
+        False keeps a model loaded past its keep_alive (ranks: an unload on one rank alone would split them)."""
         self._load_steps = load_steps
+        self._unloads_idle = unloads_idle
         self._serving = serving
         self.default_keep_alive = keep_alive
         self._slots = {name: _Slot(entry, keep_alive) for name, entry in catalog.items()}
@@ -259,6 +262,8 @@ class ModelResidency:
         return True
 
     def unload_expired(self) -> None:
+        if not self._unloads_idle:
+            return
         now = self._clock()
         for slot in self._slots.values():
             with self._lock:
