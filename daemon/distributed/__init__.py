@@ -12,7 +12,8 @@ Modules, one job each: ``settings`` (what the command line chose),
 ``channel`` (the collectives, and the error a lost rank raises),
 ``messages`` (what one iteration broadcasts), ``sharded_loading``,
 ``handshake`` (refuse a rank with another model, version or settings),
-``lockstep`` (the engine every rank runs), ``watchdog`` (a silent rank),
+``lockstep`` (the input source every rank's engine runs on), ``lockstep_controls``
+(store-changing control calls on every rank), ``watchdog`` (a silent rank),
 ``follower`` (the process of a rank other than 0). ``service/ranks.py``
 starts them.
 """

@@ -17,19 +17,20 @@ import threading
 
 import structlog
 
-from .lockstep import LockstepEngine
+from ..engine.engine import Engine
 
 log = structlog.get_logger("prefixd.distributed")
 
 
-def run_follower(engine: LockstepEngine) -> int:
+def run_follower(engine: Engine, load_timeout_seconds: float) -> int:
+    """Run this rank's engine (on the lock-step inputs) until rank 0 stops it or the ranks fail; the exit status."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     ended = threading.Event()
     engine.on_dead = lambda reason: ended.set()
     engine.start()
     try:
-        asyncio.run(engine.wait_ready(engine.distributed.load_timeout_seconds))
+        asyncio.run(engine.wait_ready(load_timeout_seconds))
     except BaseException as exc:
         log.critical("rank_start_failed", reason=f"{type(exc).__name__}: {exc}")
         return 1

@@ -6,7 +6,7 @@ makes them wait in a collective forever, inside MLX, where no Python code can
 interrupt them. So the engine arms this watchdog around every lock-step
 iteration (and, with a longer limit, around loading and the handshake); if
 one runs past its limit, the watchdog thread calls ``on_expired`` once, which
-fails every request and ends the process (lockstep.LockstepEngine.abandon).
+fails every request and ends the process (engine/engine.py: Engine.abandon).
 """
 
 from __future__ import annotations

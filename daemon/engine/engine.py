@@ -3,7 +3,9 @@
 Since mlx 0.31.2 MLX streams belong to the thread that created them, so the
 models are loaded here and every MLX call happens here. The asyncio front
 talks to the engine only through the inbox (jobs and control calls in) and
-the jobs' emit callbacks (events out). This module is the thread's lifecycle
+the jobs' emit callbacks (events out). The engine takes its inputs from an
+input source (inputs.py): one process's inbox, or the lock-step of several
+ranks; the loop is the same for both. This module is the thread's lifecycle
 and loop; the control calls themselves are control_calls.py's.
 """
 
@@ -19,15 +21,15 @@ import structlog
 
 from ...protocol.errors import ErrorCode, RpcError
 from ..cache import KvBudget, PrefixStore
-from ..models.loaded_model import LoadedModel, ModelCard, load_model
+from ..models.loaded_model import LoadedModel, ModelCard, load_model, mlx_lm_load
 from ..models.model_catalog import CatalogEntry, describe_models
 from ..models.staged_load import load_in_steps
 from ..models.names import model_not_found
 from .constrained_sampling import compiler_for
 from .device_memory import configure_buffer_cache
-from .control_calls import ControlCalls, peak_rss_bytes
+from .control_calls import peak_rss_bytes
 from .faults import fault_point
-from .inbox import Inbox
+from .inputs import InputSource
 from .jobs import FAILED, GenerateJob, internal_error
 from .model_residency import ModelResidency
 from .model_runner import ModelRunner
@@ -49,6 +51,10 @@ NUM_GRAMMAR_THREADS = 2
 # soon as an answer ends (a chat, an agent's loop, a benchmark) would otherwise
 # find one running (docs/decisions.md).
 SHADOW_IDLE_GRACE_S = 0.2
+# Tokens per second the store's eviction costs assume before any prefill pass was measured.
+DEFAULT_PREFILL_RATE = 200.0
+# How long an idle engine waits on its inputs before it looks again (ranks: rank 0's heartbeat).
+IDLE_WAIT_S = 0.25
 
 
 class ControlCall:
@@ -71,11 +77,26 @@ class ControlCall:
 
 
 class Engine:
-    """The engine thread and what it owns: the loaded models, the prefix store, the scheduler."""
+    """The engine thread and what it owns: the loaded models, the prefix store, the scheduler.
 
-    def __init__(self, settings: EngineSettings):
+    ``inputs``: where jobs, control calls and the clock come from (inputs.py).
+    ``load_weights``: path -> (model, tokenizer) for a whole load (ranks: each its shard).
+    ``loads_on_demand``: only the default model loads at start, the others at their first
+    request, in steps between decode steps; otherwise every model loads at start, whole.
+    ``unloads_idle``: a model unloads once idle for its keep_alive.
+    ``warms_up``: a model's load ends with its warm-up where ``settings.warm_up`` asks for one.
+    """
+
+    def __init__(self, inputs: InputSource, settings: EngineSettings, *,
+                 load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load,
+                 loads_on_demand: bool = True, unloads_idle: bool = True, warms_up: bool = True):
         self.settings = settings
-        self.inbox = Inbox(settings.max_queued, settings.max_queued_per_client)
+        self.inputs = inputs
+        self.inbox = inputs.inbox
+        self._load_weights = load_weights
+        self._loads_on_demand = loads_on_demand
+        self._unloads_idle = unloads_idle
+        self._may_warm_up = warms_up
         self.models: dict[str, LoadedModel] = {}  # the loaded ones (model_residency.py loads and unloads them)
         self.catalog: dict[str, CatalogEntry] = {}  # every configured model, loaded or not
         self.residency: ModelResidency | None = None  # set once the default model is loaded
@@ -85,13 +106,14 @@ class Engine:
         self.store: PrefixStore | None = None  # set once the models are loaded
         self.prefill_chunk: int | None = settings.prefill_chunk  # None until the device is known
         self.scheduler: Scheduler | None = None
-        self.controls = ControlCalls(self)
+        self.controls = inputs.control_calls(self)
         self._held_job: GenerateJob | None = None  # admitted once memory frees up
         self._busy_at = 0.0  # monotonic: the last iteration that served a request (SHADOW_IDLE_GRACE_S)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._stopping = threading.Event()
         self.dead_reason: str | None = None  # set once, when the engine gives up
+        self.stop_reason: str | None = None  # set when the inputs stopped the engine (ranks: rank 0 did), why
         self.on_dead: Callable[[str], None] | None = None  # called on the engine thread; must be thread-safe
         self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
         # Constraints compile here, off the engine thread and off the event loop (see submit).
@@ -118,9 +140,11 @@ class Engine:
             self.inbox.put_control(lambda: None)  # wake the thread
         except RpcError:
             pass  # it is gone already
-        self._thread.join(timeout)
+        # A dead engine's thread has ended, or (abandoned) never will.
+        self._thread.join(1.0 if self.dead_reason is not None else timeout)
         self._grammar_pool.shutdown(wait=False)  # a compile still running queues its job into a closed inbox: it fails
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.inputs.close()
 
     @property
     def is_alive(self) -> bool:
@@ -214,6 +238,7 @@ class Engine:
         reason = "the engine thread ended"
         try:
             reason = self._serve()
+            self.inputs.end(self, reason)
         except BaseException as exc:  # a bug in the supervision itself: still nobody may wait forever
             log.critical("engine_thread_failed", exc_info=True)
             reason = f"{type(exc).__name__}: {exc}"
@@ -244,13 +269,21 @@ class Engine:
         return "stopped"
 
     def _iterate(self) -> None:
-        if self._held_job is not None or self.scheduler.has_work or self.inbox.has_jobs or self.residency.num_parked:
+        if self._held_job is not None or self.scheduler.has_work or self.inputs.has_jobs or self.residency.num_parked:
             fault_point("loop")  # while there is work: an idle engine has nothing to fail on
         self.residency.unload_expired()
         # One step of a model loading on demand per iteration: running requests wait a step, not the load.
         loading = self.residency.step_loading()
-        self.poll_controls()
-        self._admit_jobs()
+        with self.inputs.iteration():
+            stop = self.inputs.receive(self)
+            if stop is not None:
+                self.stop_reason = stop
+                self._stopping.set()
+                return
+            self._admit_jobs()
+            self._step_or_wait(loading)
+
+    def _step_or_wait(self, loading: bool) -> None:
         shadow = self.scheduler.shadow
         if self.scheduler.has_work:
             self.scheduler.step()
@@ -274,15 +307,10 @@ class Engine:
         elif shadow.has_work:
             timeout = max(0.0, grace_left)
         else:
-            timeout = 0.25
-        item = self.inbox.take(timeout=timeout)
-        if item is None and shadow.has_work and (shadow.has_urgent_work or time.monotonic() - self._busy_at >= SHADOW_IDLE_GRACE_S):
+            timeout = IDLE_WAIT_S
+        arrived = self.inputs.wait(timeout)  # what arrived is taken next iteration
+        if not arrived and shadow.has_work and (shadow.has_urgent_work or time.monotonic() - self._busy_at >= SHADOW_IDLE_GRACE_S):
             shadow.step()
-            return
-        if isinstance(item, GenerateJob):
-            self._held_job = item
-        elif item is not None:
-            item()
 
     def _fail_running(self, err: RpcError) -> None:
         """Fail what was running; a job still waiting for admission was not touched and keeps its turn."""
@@ -293,11 +321,7 @@ class Engine:
         self.dead_reason = reason
         log.critical("engine_dead", reason=reason, action="failing every request; the daemon exits")
         err = self.dead_error()
-        for job in self.inbox.close(err):
-            job.emit(FAILED, self.dead_error())  # one exception object per request
-        for call in self.inbox.drain_controls(err):
-            if isinstance(call, ControlCall):
-                call.fail(err)
+        self._close_inbox(err)
         if self._held_job is not None:
             job, self._held_job = self._held_job, None
             job.emit(FAILED, self.dead_error())
@@ -308,8 +332,32 @@ class Engine:
                 self._fail_running(err)
         except Exception:
             log.exception("engine_dead_cleanup_failed")
+        try:
+            self.inputs.fail_taken(self.dead_error)
+        except Exception:
+            log.exception("engine_dead_cleanup_failed")
         if self.on_dead is not None:
             self.on_dead(reason)
+
+    def abandon(self, reason: str) -> None:
+        """Give up from another thread: the engine thread is stuck for good (ranks: inside a collective).
+
+        Every request the front is waiting on fails now (emit is thread-safe),
+        and the owner is told, which ends the process; the stuck thread is left behind.
+        """
+        self.dead_reason = reason
+        self._close_inbox(self.dead_error())
+        self.inputs.fail_taken(self.dead_error)
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    def _close_inbox(self, err: RpcError) -> None:
+        """Queued jobs and control calls fail with ``err``, and so does every later one."""
+        for job in self.inbox.close(err):
+            job.emit(FAILED, self.dead_error())  # one exception object per request
+        for call in self.inbox.drain_controls(err):
+            if isinstance(call, ControlCall):
+                call.fail(err)
 
     def _serving_models(self) -> set[str]:
         """The models of the jobs taken in: running, or held until their KV fits. Engine thread."""
@@ -318,12 +366,19 @@ class Engine:
             serving.add(self.entry_for(self._held_job.params.model).name)
         return serving
 
+    @property
+    def holds_job(self) -> bool:
+        """A job taken in waits first in line for its KV to fit (admission tries it before any other)."""
+        return self._held_job is not None
+
     def _admit_jobs(self) -> None:
         scheduler = self.scheduler
+        for job in self.inputs.cancelled_before_admission():
+            scheduler.admit(job)  # answers CANCELLED and counts it
         while scheduler.can_admit():
             job = self._held_job or self.residency.next_parked()
             if job is None and not self.residency.waits_for_room:  # first come, first served across models
-                job = self.inbox.take_job()
+                job = self.inputs.take_job()
             self._held_job = None
             if job is None:
                 return
@@ -335,14 +390,17 @@ class Engine:
                 return
 
     def _load_all(self) -> None:
+        with self.inputs.loading(self):
+            self._load_models()
+
+    def _load_models(self) -> None:
         import mlx.core as mx  # the engine thread is the one MLX thread
 
         on_gpu = mx.default_device().type == mx.gpu
         self.prefill_chunk = self.settings.prefill_chunk or default_prefill_chunk(on_gpu)
-        # Ranks in lock-step load their own way and would each have to run the same passes: no warm-up there.
-        self._warms_up = warm_up_wanted(self.settings.warm_up, on_gpu) and type(self).load_one_model is Engine.load_one_model
+        self._warms_up = warm_up_wanted(self.settings.warm_up, on_gpu) and self._may_warm_up
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
-        # Every model is described (tokenizer, layout, size: no weights read); only the default one loads now.
+        # Every model is described (tokenizer, layout, size: no weights read) before any loads.
         self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs,
                                        self.settings.chat_templates)
         self.cards = {name: entry.card for name, entry in self.catalog.items()}
@@ -353,7 +411,7 @@ class Engine:
             max_bytes=kv_budget,
             max_nodes=self.settings.cache_nodes,
             max_pinned_bytes=self.settings.pinned_bytes,
-            clock=self.store_clock,
+            clock=self.inputs.store_clock,
             recompute_seconds=self._recompute_seconds,
         )
         self.scheduler = Scheduler(
@@ -362,23 +420,25 @@ class Engine:
             max_active=self.settings.max_active,
             kv_budget=kv_budget,
             resolve_model=self.model_for,
-            runner=ModelRunner(self.store, self.prefill_chunk),
+            runner=ModelRunner(self.store, self.prefill_chunk, decode_stream=(
+                mx.default_stream(mx.default_device()) if self.inputs.passes_on_default_stream else None)),
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
             pass_depth_scale=None if on_gpu else CPU_PASS_DEPTH_SCALE,
+            agree=self.inputs.agree,
         )
-        # An engine that loads its own way (ranks' shards: distributed/) loads whole; this one loads a
-        # request's model in steps between decode steps.
-        in_steps = self._load_entry_in_steps if type(self).load_one_model is Engine.load_one_model else None
         self.residency = ModelResidency(self.catalog, load=self._load_entry, on_unload=self._forget_model,
                                         keep_alive=self.settings.keep_alive_s, max_bytes=self.settings.max_model_bytes,
-                                        load_steps=in_steps, serving=self._serving_models)
-        if self.default_model is not None:
-            self.residency.ensure_loaded(self.default_model, None)
+                                        load_steps=self._load_entry_in_steps if self._loads_on_demand else None,
+                                        serving=self._serving_models, unloads_idle=self._unloads_idle)
+        # On demand, only the default model loads now; otherwise every model does, to stay.
+        for name in self.model_names[:1] if self._loads_on_demand else self.model_names:
+            self.residency.ensure_loaded(name, None)
 
     def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
         """Load a configured model's weights whole (at start, or when asked to). Engine thread."""
-        loaded = self.load_one_model(entry.spec, entry.chat_template)
+        loaded = load_model(entry.spec, dtype=self.settings.dtype, attention=self.settings.attention,
+                            load_weights=self._load_weights, chat_template=entry.chat_template)
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
 
@@ -432,28 +492,16 @@ class Engine:
         self.scheduler.shadow.drop_model(loaded, "its model was unloaded")
         mx.clear_cache()  # hand the freed buffers back rather than keep them for reuse
 
-    def load_one_model(self, spec: str, chat_template: str | None = None) -> LoadedModel:
-        """One model, whole. Ranks of a distributed daemon each load their shard (distributed/lockstep.py)."""
-        return load_model(spec, dtype=self.settings.dtype, attention=self.settings.attention, chat_template=chat_template)
-
-    def store_clock(self) -> float:
-        """The prefix store's clock (its recency order). Ranks in lock-step all read rank 0's."""
-        return time.monotonic()
-
-    def prefill_rate(self) -> float:
-        """Tokens per second the store's eviction costs assume. Ranks in lock-step all take rank 0's."""
+    def measured_prefill_rate(self) -> float:
+        """Tokens per second this process's loaded models prefilled at, the slowest one's."""
         rates = [m.prefill_tokens_per_s for m in self.models.values() if m.prefill_tokens_per_s]
-        return min(rates) if rates else 200.0
+        return min(rates) if rates else DEFAULT_PREFILL_RATE
 
     def _recompute_seconds(self, start_depth: int, num_tokens: int) -> float:
-        rate = self.prefill_rate()
+        agreed = self.inputs.agreed_prefill_rate  # ranks: rank 0's, the same on every rank
+        rate = self.measured_prefill_rate() if agreed is None else agreed
         # Attention makes later tokens dearer to recompute than early ones.
         return num_tokens / rate * (1.0 + (start_depth + num_tokens / 2) / 4096)
-
-    def poll_controls(self) -> None:
-        """Answer control calls (stats, tokenize, pin ...) between decode steps."""
-        while (call := self.inbox.take_control()) is not None:
-            call()
 
     def entry_for(self, name: str | None) -> CatalogEntry:
         """A configured model (the default one for None), loaded or not; MODEL_NOT_FOUND otherwise. Any thread."""

@@ -141,14 +141,21 @@ class Inbox:
         with self._lock:
             return self._pop_job()
 
-    def take(self, timeout: float) -> Callable[[], Any] | GenerateJob | None:
-        """Next control call, else the next job round-robin; None after ``timeout``."""
+    def wait(self, timeout: float) -> bool:
+        """Wait until a control call or a job is queued, at most ``timeout``; True if one is. Takes nothing.
+
+        What arrived is taken in the engine's next iteration, in its usual
+        order: after anything that must come first (ranks: the state digest).
+        """
         with self._lock:
             if not self._controls and not self._num_queued:
                 self._lock.wait(timeout)
-            if self._controls:
-                return self._controls.popleft()
-            return self._pop_job()
+            return bool(self._controls or self._num_queued)
+
+    def run_controls(self) -> None:
+        """Run every queued control call, here (the engine thread), oldest first."""
+        while (call := self.take_control()) is not None:
+            call()
 
     def _pop_job(self) -> GenerateJob | None:
         if not self._num_queued:

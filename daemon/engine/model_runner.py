@@ -30,10 +30,11 @@ log = structlog.get_logger("prefixd.runner")
 
 
 class ModelRunner:
-    def __init__(self, store: PrefixStore | None, chunk_size: int):
+    def __init__(self, store: PrefixStore | None, chunk_size: int, decode_stream: Any = None):
+        """``decode_stream``: the stream every decode batch runs on; None: each gets one of its own (batch_decoder.py)."""
         self.store = store
         self.chunk_size = chunk_size
-        self.decode_stream: Any = None  # None: each decode batch gets a stream of its own (batch_decoder.py)
+        self.decode_stream = decode_stream
         self._decoders: dict[str, BatchDecoder] = {}
 
     def run(self, plan: StepPlan) -> StepResult:

@@ -78,6 +78,7 @@ class Scheduler:
         shadow_rate: float = 0.0,
         shadow_action: str = "log",
         pass_depth_scale: int | None = None,
+        agree: Callable[[bool], bool] = lambda decision: decision,
     ):
         self.store = store
         self.chunk_size = chunk_size
@@ -94,8 +95,8 @@ class Scheduler:
         self._prefill_s = self._decode_s = 0.0
         self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=kv_budget.reserve_side,
                                     depth_scale=pass_depth_scale)
-        # A decision taken from this process's clock; ranks in lock-step all take rank 0's (distributed/).
-        self.agree: Callable[[bool], bool] = lambda decision: decision
+        # A decision taken from this process's clock; ranks in lock-step all take rank 0's (engine/inputs.py).
+        self._agree = agree
 
     # -- admission --------------------------------------------------------------------
 
@@ -243,13 +244,25 @@ class Scheduler:
         self._prefill_short_tails()
         self._prefill_s += time.monotonic() - started
         started = time.monotonic()
-        if decoding and self.agree(self._prefill_s > self._decode_s):
+        if decoding and self._agreed(self._prefill_s > self._decode_s):
             seq = self._pick_last_pass()
         else:
             seq = self._pick_one()
         if seq is not None:
             self._run(self._plan_pass(seq))
         self._prefill_s += time.monotonic() - started
+
+    def _agreed(self, may_prefill: bool) -> bool:
+        """May a prefill pass run beside decoding? This process's answer, or the one every rank takes.
+
+        Asked only while a sequence is prefilling: otherwise the prefill turn finds
+        nothing whatever the answer, and ranks in lock-step would pay a collective
+        (a synchronous all_sum, and a wait for the step computed ahead) on every
+        decoded token for it.
+        """
+        if not any(seq.phase is Phase.PREFILL for seq in self.active):
+            return False
+        return self._agree(may_prefill)
 
     def _run(self, plan: StepPlan) -> None:
         """Run ``plan`` and apply its result, then the follow-ups that result called for, until none is left."""

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefixd: {exc}", file=sys.stderr)
             return 2
         if launcher_rank() != 0:
-            exit_now(run_follower(rank_engine))
+            exit_now(run_follower(rank_engine, settings.load_timeout_seconds))
     try:
         code = runner(DaemonServer(settings, rank_engine).run())
     except SocketInUse as exc:

@@ -24,7 +24,9 @@ import structlog
 from ...protocol.codec import MAX_MESSAGE_BYTES
 from ...protocol.errors import ErrorCode, RpcError
 from ..engine.engine import Engine
+from ..engine.inbox import Inbox
 from ..engine.jobs import FAILED
+from ..engine.local_inputs import LocalInputs
 from ..engine.settings import EngineSettings
 from ..front.connection import Connection
 from ..front.handlers import DAEMON_VERSION, Handlers
@@ -59,7 +61,9 @@ class ServerSettings:
 class DaemonServer:
     def __init__(self, settings: ServerSettings, engine: Engine | None = None):
         self.settings = settings
-        self.engine = engine or Engine(settings.engine)  # a rank of several passes its own (service/ranks.py)
+        # A rank of several passes its own, on the lock-step's inputs (service/ranks.py).
+        self.engine = engine or Engine(LocalInputs(Inbox(settings.engine.max_queued, settings.engine.max_queued_per_client)),
+                                       settings.engine)
         self.handlers = Handlers(self.engine)
         self.connections: set[Connection] = set()
         self._stop_requested = asyncio.Event()
