@@ -68,10 +68,10 @@ def test_close_returns_every_lanes_jobs():
     for queued in jobs:
         inbox.put_job(queued)
     assert set(map(id, inbox.close())) == set(map(id, jobs))
-    assert inbox.take(timeout=0) is None
+    assert not inbox.wait(timeout=0) and inbox.take_job() is None
 
 
 def test_a_waiting_take_wakes_for_a_job_put_on_another_thread():
     inbox = Inbox(max_queued=10, max_queued_per_client=5)
     threading.Timer(0.05, lambda: inbox.put_job(job("late", lane="L"))).start()
-    assert inbox.take(timeout=10).client_id == "late"
+    assert inbox.wait(timeout=10) and inbox.take_job().client_id == "late"
