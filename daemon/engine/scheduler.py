@@ -340,6 +340,10 @@ class Scheduler:
         152-158 ms against 121-126 ms one by one on an H200, and the first
         such batch 10 s against 0.7 s (the issue's follower stall); on this
         project's CPU 3.1 s against 1.7 s (bench/batch_step_probe.py, part tails).
+        Tails go in the order they became ready, not shortest first: all cost
+        about a step, and a stream of shorter ones (a burst of cache hits a token
+        or two long) would otherwise hold a six-token cold prompt back until the
+        stream ended (bench/fairness.py, the HTTP burst).
         """
         def is_short(seq: SequenceState) -> bool:
             return len(seq.tokens) - seq.position <= SHORT_TAIL_TOKENS
@@ -352,7 +356,7 @@ class Scheduler:
             tails = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and is_short(s)]
             if not tails:
                 break
-            seq = min(tails, key=lambda s: len(s.tokens) - s.position)
+            seq = tails[0]
             self._prefill_turns.remove(seq)
             self._run(self._plan_pass(seq))
             ran += 1

@@ -251,8 +251,20 @@ def test_short_tails_go_ahead_of_the_even_split_eight_per_step(runner, replies):
     passes_before = len(runner.passes)
     scheduler.step()
     tail_passes = runner.passes[passes_before:]
-    assert tail_passes[:8] == [f"tail{i}" for i in range(8)]  # the least left first, eight of them
+    assert tail_passes[:8] == [f"tail{i}" for i in range(8)]  # in the order they came, eight of them
     assert sum(replies.has_first_token(f"tail{i}") for i in range(10)) >= 8
+
+
+def test_a_stream_of_shorter_tails_does_not_hold_back_a_tail_that_came_first(runner, replies):
+    """A cold six-token prompt beside a burst of one-token cache hits: its pass comes in its turn."""
+    scheduler = make_scheduler(runner, max_active=16)
+    scheduler.admit(replies.job("answer", 10, max_tokens=100))
+    scheduler.step()
+    scheduler.admit(replies.job("bystander", 40, max_tokens=1, first_token=7000))
+    for index in range(12):
+        scheduler.admit(replies.job(f"hit{index}", 2 + index % 3, max_tokens=1, first_token=5000))
+    scheduler.step()
+    assert replies.has_first_token("bystander")
 
 
 def run_until_idle_of(scheduler: Scheduler, name: str, replies: Replies) -> None:
