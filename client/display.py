@@ -68,7 +68,9 @@ def format_models(result: dict[str, Any]) -> str:
     for model in result.get("models") or []:
         mark = "*" if model.get("default") else " "
         kind = "hybrid" if model.get("hybrid") else "kv"
-        tools = f"tools {model['tools']}  " if model.get("tools") else ""  # template, generic or none (older daemons: absent)
+        tools = (
+            f"tools {model['tools']}  " if model.get("tools") else ""
+        )  # template, generic or none (older daemons: absent)
         lines.append(
             f"{mark} {model.get('name')}  ctx {_count(model.get('context_length'))}  {model.get('dtype')}  "
             f"{kind}  {tools}{_residency(model)}  {model.get('path')}"

@@ -42,10 +42,16 @@ class Check:
 
 
 def add_verify_parser(sub: Any) -> None:
-    verify = sub.add_parser("verify", help="re-run cached prompts without the cache and compare (the shadow check, on demand)")
+    verify = sub.add_parser(
+        "verify", help="re-run cached prompts without the cache and compare (the shadow check, on demand)"
+    )
     verify.add_argument("--model", help="model name (default: the daemon's default model)")
-    verify.add_argument("--prompts", metavar="FILE", help="JSON lines: a string (a prompt) or a map with one of "
-                        "prompt, messages, tokens; each is sent verified (twice when nothing was cached yet)")
+    verify.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="JSON lines: a string (a prompt) or a map with one of "
+        "prompt, messages, tokens; each is sent verified (twice when nothing was cached yet)",
+    )
     verify.add_argument("--max-tokens", type=int, default=16, help="answer tokens compared per request (default 16)")
     verify.add_argument("--json", action="store_true", help="print every check as a JSON line instead of the table")
 
@@ -58,14 +64,23 @@ def run_verify(client: Client, args: argparse.Namespace) -> int:
         checks = list(builtin_checks(client, options, secrets.token_hex(4)))
     if args.json:
         for check in checks:
-            print(json.dumps({"scenario": check.scenario, "checkpoint": check.checkpoint,
-                              "reused_tokens": check.reused_tokens, **check.verify}))
+            print(
+                json.dumps(
+                    {
+                        "scenario": check.scenario,
+                        "checkpoint": check.checkpoint,
+                        "reused_tokens": check.reused_tokens,
+                        **check.verify,
+                    }
+                )
+            )
     else:
         print(format_table(checks))
     return 1 if any(check.status in ("mismatch", "failed") for check in checks) else 0
 
 
 # -- the prompts ---------------------------------------------------------------------------
+
 
 def builtin_checks(client: Client, options: dict[str, Any], nonce: str) -> Iterator[Check]:
     def send(scenario: str, verify: bool = True, **request: Any) -> dict[str, Any]:
@@ -85,11 +100,19 @@ def builtin_checks(client: Client, options: dict[str, Any], nonce: str) -> Itera
         cut = document[: int(len(document) * share)]
         send(f"partial {int(share * 100)}%", prompt=cut + f"\nQuestion {int(share * 100)}: what came just before?")
 
-    messages = [{"role": "system", "content": f"[prefixd verify {nonce}] You answer in one short sentence."},
-                {"role": "user", "content": "What is a prefix cache?"}]
+    messages = [
+        {"role": "system", "content": f"[prefixd verify {nonce}] You answer in one short sentence."},
+        {"role": "user", "content": "What is a prefix cache?"},
+    ]
     first = send("chat next turn", verify=False, messages=messages)
-    send("chat next turn", messages=messages + [{"role": "assistant", "content": first.get("text", "")},
-                                                {"role": "user", "content": "And why does it help an agent loop?"}])
+    send(
+        "chat next turn",
+        messages=messages
+        + [
+            {"role": "assistant", "content": first.get("text", "")},
+            {"role": "user", "content": "And why does it help an agent loop?"},
+        ],
+    )
 
     context = f"[prefixd verify {nonce}] " + " ".join(_sentence(i + 100) for i in range(DOCUMENT_SENTENCES))
     send("edit near end", verify=False, prompt=context + " The last word is apple.")
@@ -101,8 +124,10 @@ def _sentence(index: int) -> str:
     subjects = ("The radix tree", "A checkpoint", "The engine thread", "Each client", "The store", "A stale entry")
     verbs = ("keeps", "replaces", "shares", "counts", "forgets", "returns")
     objects = ("the prompt's keys", "a state snapshot", "the next turn", "its answer tokens", "the oldest branch")
-    return (f"{subjects[index % len(subjects)]} {verbs[(index // 3) % len(verbs)]} "
-            f"{objects[(index // 7) % len(objects)]} in step {index}.")
+    return (
+        f"{subjects[index % len(subjects)]} {verbs[(index // 3) % len(verbs)]} "
+        f"{objects[(index // 7) % len(objects)]} in step {index}."
+    )
 
 
 def _file_checks(client: Client, path: str, options: dict[str, Any]) -> Iterator[Check]:
@@ -140,6 +165,7 @@ def _check(scenario: str, reply: dict[str, Any]) -> Check:
 
 # -- the report ----------------------------------------------------------------------------
 
+
 def format_table(checks: list[Check]) -> str:
     by_kind: dict[str, Counter[str]] = {}
     for check in checks:
@@ -148,19 +174,25 @@ def format_table(checks: list[Check]) -> str:
     rows = [header]
     for kind in sorted(by_kind):
         counts = by_kind[kind]
-        rows.append(f"{kind:<12} {sum(counts.values()):>6} {counts['match']:>6} {counts['mismatch']:>8} "
-                    f"{counts['not-checked']:>11} {counts['dropped'] + counts['failed']:>14}")
+        rows.append(
+            f"{kind:<12} {sum(counts.values()):>6} {counts['match']:>6} {counts['mismatch']:>8} "
+            f"{counts['not-checked']:>11} {counts['dropped'] + counts['failed']:>14}"
+        )
     mismatch = next((check for check in checks if check.status == "mismatch"), None)
     if mismatch is None:
         rows.append("no mismatch" if any(c.status == "match" for c in checks) else "nothing was compared")
     else:
         v = mismatch.verify
-        where = (f"answer token {v['first_difference']}: cached {v.get('cached_token')} vs uncached {v.get('uncached_token')}"
-                 if v.get("first_difference") is not None else
-                 f"the prompt's last log-probabilities differ by {v.get('max_logprob_difference') or 0:.3g} nats "
-                 f"(tolerance {v.get('tolerance')})")
-        rows.append(f"first mismatch: {mismatch.scenario}: {where}; reused {mismatch.reused_tokens} tokens "
-                    f"at a {mismatch.checkpoint} checkpoint from {v.get('source')}")
+        where = (
+            f"answer token {v['first_difference']}: cached {v.get('cached_token')} vs uncached {v.get('uncached_token')}"
+            if v.get("first_difference") is not None
+            else f"the prompt's last log-probabilities differ by {v.get('max_logprob_difference') or 0:.3g} nats "
+            f"(tolerance {v.get('tolerance')})"
+        )
+        rows.append(
+            f"first mismatch: {mismatch.scenario}: {where}; reused {mismatch.reused_tokens} tokens "
+            f"at a {mismatch.checkpoint} checkpoint from {v.get('source')}"
+        )
     for check in checks:
         if check.status in ("not-checked", "dropped", "failed"):
             rows.append(f"{check.status}: {check.scenario}: {check.verify.get('reason')}")

@@ -24,7 +24,7 @@ def common_prefix_length(a: Sequence, b: Sequence, start_b: int = 0) -> int:
     if limit <= 0:
         return 0
     i = 0
-    while i + _BLOCK <= limit and a[i:i + _BLOCK] == b[start_b + i:start_b + i + _BLOCK]:
+    while i + _BLOCK <= limit and a[i : i + _BLOCK] == b[start_b + i : start_b + i + _BLOCK]:
         i += _BLOCK
     while i < limit and a[i] == b[start_b + i]:
         i += 1

@@ -123,10 +123,14 @@ class StreamDecoder:
             message_bytes = message_end - self._num_consumed_bytes
             self._num_consumed_bytes = message_end
             if message_bytes > self.max_message_bytes:
-                raise _too_large(f"message of {message_bytes} bytes is larger than the limit of {self.max_message_bytes} bytes")
+                raise _too_large(
+                    f"message of {message_bytes} bytes is larger than the limit of {self.max_message_bytes} bytes"
+                )
             if self._unhashable_key_seen:
                 self._unhashable_key_seen = False
-                yield _invalid("map keys must be strings; this message has an array or a map as a key", request_msgid(obj))
+                yield _invalid(
+                    "map keys must be strings; this message has an array or a map as a key", request_msgid(obj)
+                )
                 continue
             try:
                 yield parse_message(obj)
@@ -162,7 +166,9 @@ class StreamDecoder:
         assert self._too_deep is not None
         frame_start = bytes(self._pending[:_MSGID_PEEK_BYTES])
         self._too_deep = None
-        return _invalid(f"a message may nest arrays and maps at most {MAX_DECODABLE_DEPTH} deep", _peek_request_msgid(frame_start))
+        return _invalid(
+            f"a message may nest arrays and maps at most {MAX_DECODABLE_DEPTH} deep", _peek_request_msgid(frame_start)
+        )
 
     @property
     def num_buffered_bytes(self) -> int:
@@ -188,7 +194,7 @@ def _peek_request_msgid(frame_start: bytes) -> int | None:
     for header in _ARRAY_OF_FOUR_HEADERS:
         if frame_start.startswith(header):
             unpacker = msgpack.Unpacker(raw=False, object_pairs_hook=list)  # pairs: no key is ever hashed
-            unpacker.feed(frame_start[len(header):])
+            unpacker.feed(frame_start[len(header) :])
             try:
                 leading = [next(unpacker), next(unpacker)]
             except (StopIteration, ValueError, msgpack.UnpackException, UnicodeDecodeError):
@@ -198,6 +204,7 @@ def _peek_request_msgid(frame_start: bytes) -> int | None:
 
 
 # -- finding where a msgpack object ends, from its headers alone -------------------------
+
 
 def _msgpack_layout() -> tuple[list[int], dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
     """Tables of the msgpack format by first byte (https://github.com/msgpack/msgpack/blob/master/spec.md).
@@ -211,11 +218,35 @@ def _msgpack_layout() -> tuple[list[int], dict[int, tuple[int, int]], dict[int, 
         fixed[lead] = 1  # fixints, nil, false, true
     for lead in range(0xA0, 0xC0):
         fixed[lead] = 1 + (lead & 0x1F)  # fixstr
-    for lead, size in {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9,
-                       0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18}.items():
+    for lead, size in {
+        0xCA: 5,
+        0xCB: 9,
+        0xCC: 2,
+        0xCD: 3,
+        0xCE: 5,
+        0xCF: 9,
+        0xD0: 2,
+        0xD1: 3,
+        0xD2: 5,
+        0xD3: 9,
+        0xD4: 3,
+        0xD5: 4,
+        0xD6: 6,
+        0xD7: 10,
+        0xD8: 18,
+    }.items():
         fixed[lead] = size  # floats, ints, fixext
-    sized = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),  # bin, str
-             0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1)}  # ext: the type byte follows the length
+    sized = {
+        0xC4: (1, 0),
+        0xC5: (2, 0),
+        0xC6: (4, 0),
+        0xD9: (1, 0),
+        0xDA: (2, 0),
+        0xDB: (4, 0),  # bin, str
+        0xC7: (1, 1),
+        0xC8: (2, 1),
+        0xC9: (4, 1),
+    }  # ext: the type byte follows the length
     containers = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
     return fixed, sized, containers
 

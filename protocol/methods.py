@@ -58,7 +58,7 @@ def single_map_param(params: list[Any]) -> dict[str, Any]:
     if not params:
         return {}
     if len(params) != 1 or not isinstance(params[0], dict):
-        raise _invalid("params must be an array holding one map, e.g. [{\"prompt\": \"...\"}]")
+        raise _invalid('params must be an array holding one map, e.g. [{"prompt": "..."}]')
     return params[0]
 
 
@@ -145,8 +145,11 @@ def parse_constraint(raw: Any, where: str = "constraint") -> Constraint | None:
     if raw is None:
         return None
     if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in CONSTRAINT_KINDS:
-        raise _invalid(f"'{where}' must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, "
-                       "e.g. {\"json_schema\": {\"type\": \"object\"}} or {\"regex\": \"[0-9]+\"}", where)
+        raise _invalid(
+            f"'{where}' must be a map with exactly one of {', '.join(CONSTRAINT_KINDS)}, "
+            'e.g. {"json_schema": {"type": "object"}} or {"regex": "[0-9]+"}',
+            where,
+        )
     ((kind, value),) = raw.items()
     if kind == JSON_OBJECT:
         if value is not True:
@@ -192,8 +195,17 @@ class GenerateParams:
 
 
 _PROMPT_KEYS = {"prompt", "messages", "tokens", "add_generation_prompt", "model", "session", "cache", "tools"}
-_GENERATE_KEYS = _PROMPT_KEYS | {"max_tokens", "temperature", "top_p", "seed", "stop", "stream", "constraint", "tool_choice",
-                                 "keep_alive"}
+_GENERATE_KEYS = _PROMPT_KEYS | {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "constraint",
+    "tool_choice",
+    "keep_alive",
+}
 
 
 def parse_prompt_input(params: dict[str, Any]) -> PromptInput:
@@ -273,13 +285,18 @@ def parse_generate(params: dict[str, Any]) -> GenerateParams:
         raise _invalid("'cache.verify' compares greedy runs: it needs temperature 0", "cache.verify")
     constraint = parse_constraint(params.get("constraint"))
     if cache.verify and constraint is not None:
-        raise _invalid("'cache.verify' re-runs the request unconstrained: it cannot go with 'constraint'", "cache.verify")
+        raise _invalid(
+            "'cache.verify' re-runs the request unconstrained: it cannot go with 'constraint'", "cache.verify"
+        )
     prompt = parse_prompt_input(params)
     tool_choice = parse_tool_choice(params.get("tool_choice"), prompt.tools)
     if tool_choice.forces_call and (constraint is not None or cache.verify):
         # The daemon forces the call with a grammar of its own (the model's tool-call format).
-        raise _invalid(f"'tool_choice' that forces a call constrains the answer itself: it cannot go with "
-                       f"'{'constraint' if constraint is not None else 'cache.verify'}'", "tool_choice")
+        raise _invalid(
+            f"'tool_choice' that forces a call constrains the answer itself: it cannot go with "
+            f"'{'constraint' if constraint is not None else 'cache.verify'}'",
+            "tool_choice",
+        )
     return GenerateParams(
         prompt=prompt,
         model=_get(params, "model", (str,), None, "a string"),

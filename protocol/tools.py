@@ -45,25 +45,36 @@ def parse_tools(tools: Any) -> tuple[dict[str, Any], ...] | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, (list, tuple)) or len(tools) > MAX_TOOLS:
-        raise _invalid(f"'tools' must be an array of at most {MAX_TOOLS} {{type: \"function\", function: {{name, ...}}}} maps", "tools")
+        raise _invalid(
+            f"'tools' must be an array of at most {MAX_TOOLS} {{type: \"function\", function: {{name, ...}}}} maps",
+            "tools",
+        )
     parsed = []
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-            raise _invalid(f"'{where}' must be {{type: \"function\", function: {{name, description?, parameters?}}}}", where)
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
+            raise _invalid(
+                f"'{where}' must be {{type: \"function\", function: {{name, description?, parameters?}}}}", where
+            )
         function = tool["function"]
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise _invalid(f"'{where}.function.name' must be a non-empty string", f"{where}.function.name")
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise _invalid(f"'{where}.function.description' must be a string", f"{where}.function.description")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise _invalid(f"'{where}.function.parameters' must be a JSON schema object", f"{where}.function.parameters")
+            raise _invalid(
+                f"'{where}.function.parameters' must be a JSON schema object", f"{where}.function.parameters"
+            )
         parsed.append({"type": "function", "function": dict(function)})
     return tuple(parsed)
 
 
 def parse_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
-    """"auto" (the default), "none", "required", or OpenAI's {type: "function", function: {name}} naming one of ``tools``."""
+    """ "auto" (the default), "none", "required", or OpenAI's {type: "function", function: {name}} naming one of ``tools``."""
     if choice is None or choice == AUTO:
         return ToolChoice()
     if choice == NONE:
@@ -76,9 +87,14 @@ def parse_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...] | None) -> 
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise _invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}", "tool_choice")
+        raise _invalid(
+            '\'tool_choice\' must be "auto", "none", "required" or {type: "function", function: {name}}', "tool_choice"
+        )
     if name not in names:
-        raise _invalid(f"'tool_choice' names the function {name!r}, which is not in 'tools' (given: {', '.join(names) or 'none'})", "tool_choice")
+        raise _invalid(
+            f"'tool_choice' names the function {name!r}, which is not in 'tools' (given: {', '.join(names) or 'none'})",
+            "tool_choice",
+        )
     return ToolChoice(FUNCTION, name)
 
 
@@ -110,9 +126,14 @@ def _tool_call(where: str, call: Any) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except ValueError as exc:
-            raise _invalid(f"'{where}.function.arguments' is not valid JSON: {exc}", f"{where}.function.arguments") from None
+            raise _invalid(
+                f"'{where}.function.arguments' is not valid JSON: {exc}", f"{where}.function.arguments"
+            ) from None
     if not isinstance(arguments, dict):
-        raise _invalid(f"'{where}.function.arguments' must be a JSON object (a map, or a string holding one)", f"{where}.function.arguments")
+        raise _invalid(
+            f"'{where}.function.arguments' must be a JSON object (a map, or a string holding one)",
+            f"{where}.function.arguments",
+        )
     parsed: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if call.get("id") is not None:
         if not isinstance(call["id"], str):

@@ -76,8 +76,7 @@ class RecencyCostPolicy:
     the same time.
     """
 
-    def __init__(self, recompute_seconds: RecomputeSeconds = default_recompute_seconds,
-                 weight: float = 60.0):
+    def __init__(self, recompute_seconds: RecomputeSeconds = default_recompute_seconds, weight: float = 60.0):
         if weight < 0:
             raise ValueError(f"weight must be >= 0, got {weight}")
         self.recompute_seconds = recompute_seconds
@@ -139,8 +138,7 @@ class Budget:
     the budget.
     """
 
-    def __init__(self, kv_budget: KvBudget, max_nodes: int, max_pinned_bytes: int,
-                 policy: EvictionPolicy):
+    def __init__(self, kv_budget: KvBudget, max_nodes: int, max_pinned_bytes: int, policy: EvictionPolicy):
         if max_nodes < 0 or not 0 <= max_pinned_bytes <= kv_budget.total_bytes:
             raise ValueError("need max_nodes >= 0 and 0 <= max_pinned_bytes <= max_bytes")
         self.kv_budget = kv_budget
@@ -218,8 +216,13 @@ class Budget:
     # ----- eviction -----
 
     def is_evictable(self, node: Node) -> bool:
-        return (node.parent is not None and not node.children and node.lock_count == 0
-                and node.pin_count == 0 and not node.ledger.closed)
+        return (
+            node.parent is not None
+            and not node.children
+            and node.lock_count == 0
+            and node.pin_count == 0
+            and not node.ledger.closed
+        )
 
     def reconsider(self, node: Node) -> None:
         """Queue node if it may be evicted: call wherever that or its key changed."""
@@ -262,13 +265,19 @@ class Budget:
         """Protection counts add up, and an evictable leaf is queued with its current key."""
         where = f"node at depth {node.depth}"
         children = node.children.values()
-        require(node.lock_count >= sum(c.lock_count for c in children) >= 0,
-                f"{where}: lock count {node.lock_count} below its children's")
-        require(node.pin_count == num_direct_pins + sum(c.pin_count for c in children),
-                f"{where}: pin count {node.pin_count} disagrees with the pins")
+        require(
+            node.lock_count >= sum(c.lock_count for c in children) >= 0,
+            f"{where}: lock count {node.lock_count} below its children's",
+        )
+        require(
+            node.pin_count == num_direct_pins + sum(c.pin_count for c in children),
+            f"{where}: pin count {node.pin_count} disagrees with the pins",
+        )
         if self.is_evictable(node):
-            require(live_keys.get(id(node)) == self.policy.key(node),
-                    f"{where}: evictable leaf missing from the eviction heap, or stale")
+            require(
+                live_keys.get(id(node)) == self.policy.key(node),
+                f"{where}: evictable leaf missing from the eviction heap, or stale",
+            )
 
     def live_keys(self) -> dict[int, float]:
         return self._heap.live_keys()
@@ -279,13 +288,18 @@ class Budget:
         summed = [0, 0, 0]
         for name, ledger, counted in ledgers:
             recorded = (ledger.num_nodes, ledger.num_bytes, ledger.pinned_bytes)
-            require(counted == recorded, f"namespace {name!r}: counted (nodes, bytes, pinned) "
-                                         f"{counted}, recorded {recorded}")
+            require(
+                counted == recorded,
+                f"namespace {name!r}: counted (nodes, bytes, pinned) {counted}, recorded {recorded}",
+            )
             summed = [a + b for a, b in zip(summed, counted)]
         total = self.total
-        require(tuple(summed) == (total.num_nodes, total.num_bytes, total.pinned_bytes),
-                "global totals drifted from the namespaces'")
+        require(
+            tuple(summed) == (total.num_nodes, total.num_bytes, total.pinned_bytes),
+            "global totals drifted from the namespaces'",
+        )
         require(total.num_nodes <= self.max_nodes, f"{total.num_nodes} nodes > {self.max_nodes}")
         require(total.num_bytes <= self.max_bytes, f"{total.num_bytes} bytes > {self.max_bytes}")
-        require(total.pinned_bytes <= self.max_pinned_bytes,
-                f"{total.pinned_bytes} pinned bytes > {self.max_pinned_bytes}")
+        require(
+            total.pinned_bytes <= self.max_pinned_bytes, f"{total.pinned_bytes} pinned bytes > {self.max_pinned_bytes}"
+        )

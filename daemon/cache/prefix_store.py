@@ -24,8 +24,17 @@ from typing import Callable, Iterator, NamedTuple
 from .eviction import Budget, EvictionPolicy, Ledger, RecencyCostPolicy, RecomputeSeconds, default_recompute_seconds
 from .kv_budget import KvBudget
 from .lookup_counters import LookupCounters
-from .radix_tree import (Node, check_edges, check_payload, descendants, longest_head, require, snapshot_nbytes,
-                         touch, walk)
+from .radix_tree import (
+    Node,
+    check_edges,
+    check_payload,
+    descendants,
+    longest_head,
+    require,
+    snapshot_nbytes,
+    touch,
+    walk,
+)
 from .store_types import (  # noqa: F401 (re-exported for callers)
     CheckpointKind,
     CHECKPOINT_KINDS,
@@ -77,10 +86,15 @@ class PrefixStore:
     RecencyCostPolicy built from ``recompute_seconds``, see eviction.py).
     """
 
-    def __init__(self, max_bytes: int | KvBudget, max_nodes: int, max_pinned_bytes: int,
-                 clock: Callable[[], float] = time.monotonic,
-                 recompute_seconds: RecomputeSeconds | None = None,
-                 policy: EvictionPolicy | None = None):
+    def __init__(
+        self,
+        max_bytes: int | KvBudget,
+        max_nodes: int,
+        max_pinned_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        recompute_seconds: RecomputeSeconds | None = None,
+        policy: EvictionPolicy | None = None,
+    ):
         if policy is not None and recompute_seconds is not None:
             raise ValueError("recompute_seconds only configures the default policy")
         policy = policy or RecencyCostPolicy(recompute_seconds or default_recompute_seconds)
@@ -93,8 +107,7 @@ class PrefixStore:
 
     # ----- lookup -----
 
-    def match(self, namespace: str, tokens, max_length: int | None = None,
-              requires_snapshot: bool = False) -> Match:
+    def match(self, namespace: str, tokens, max_length: int | None = None, requires_snapshot: bool = False) -> Match:
         """The longest usable stored prefix of tokens, at most max_length long.
 
         max_length defaults to len(tokens) - 1: one token must always be run.
@@ -121,12 +134,18 @@ class PrefixStore:
         hit, reason = self._classify(ns, len(tokens), length, matched, max_length, path)
         for lookups in (ns.lookups, self._lookups):
             lookups.record(hit, length, len(tokens))
-        return Match(length, matched, self._segments(used, length),
-                     snapshot=at_length.snapshot if at_length else None,
-                     checkpoint_kind=(at_length.kind if at_length else None) or "prefix",
-                     stored_at=last.stored_at if last else None,
-                     age_s=now - last.stored_at if last else None,
-                     hit=hit, reason=reason, lease=Lease(last))
+        return Match(
+            length,
+            matched,
+            self._segments(used, length),
+            snapshot=at_length.snapshot if at_length else None,
+            checkpoint_kind=(at_length.kind if at_length else None) or "prefix",
+            stored_at=last.stored_at if last else None,
+            age_s=now - last.stored_at if last else None,
+            hit=hit,
+            reason=reason,
+            lease=Lease(last),
+        )
 
     def lease(self, namespace: str, tokens) -> Lease:
         """Lock what is stored along ``tokens`` (its deepest node and the ancestors) until release().
@@ -155,7 +174,7 @@ class PrefixStore:
             return cap, [node for node in path if node.start_depth < cap]
         for i in range(len(path) - 1, -1, -1):
             if path[i].depth <= cap and path[i].snapshot is not None:
-                return path[i].depth, path[:i + 1]
+                return path[i].depth, path[: i + 1]
         return 0, []
 
     @staticmethod
@@ -166,8 +185,9 @@ class PrefixStore:
         return tuple(segments)
 
     @staticmethod
-    def _classify(ns: _Namespace, num_tokens: int, length: int, matched: int,
-                  max_length: int, path: list[Node]) -> tuple[HitKind, MissReason | None]:
+    def _classify(
+        ns: _Namespace, num_tokens: int, length: int, matched: int, max_length: int, path: list[Node]
+    ) -> tuple[HitKind, MissReason | None]:
         if length > 0 and length == max_length >= num_tokens - 1:
             return "exact", None
         hit: HitKind = "partial" if length > 0 else "miss"
@@ -184,8 +204,14 @@ class PrefixStore:
 
     # ----- insert -----
 
-    def insert(self, namespace: str, tokens, segment_start: int, segment: Segment | None,
-               checkpoints: Checkpoints | None = None) -> InsertResult:
+    def insert(
+        self,
+        namespace: str,
+        tokens,
+        segment_start: int,
+        segment: Segment | None,
+        checkpoints: Checkpoints | None = None,
+    ) -> InsertResult:
         """Store tokens; ``segment`` holds the KV of tokens[segment_start:].
 
         Tokens already stored are not stored again (segment is split to keep
@@ -226,36 +252,36 @@ class PrefixStore:
         return InsertResult(stored_tokens, stored_bytes, num_evicted, reason)
 
     @staticmethod
-    def _check_insert_args(tokens: tuple, segment_start: int, segment: Segment | None,
-                           checkpoints: Checkpoints) -> None:
+    def _check_insert_args(
+        tokens: tuple, segment_start: int, segment: Segment | None, checkpoints: Checkpoints
+    ) -> None:
         if not 0 <= segment_start <= len(tokens):
             raise ValueError(f"segment_start {segment_start} outside [0, {len(tokens)}]")
         if (segment.num_tokens if segment else 0) != len(tokens) - segment_start:
-            raise ValueError(f"segment must cover the {len(tokens) - segment_start} tokens "
-                             f"from segment_start {segment_start}")
+            raise ValueError(
+                f"segment must cover the {len(tokens) - segment_start} tokens from segment_start {segment_start}"
+            )
         for depth, (kind, _) in checkpoints.items():
             if not 0 < depth <= len(tokens) or kind not in CHECKPOINT_KINDS:
-                raise ValueError(f"bad checkpoint {kind!r} at depth {depth} "
-                                 f"of a {len(tokens)}-token sequence")
+                raise ValueError(f"bad checkpoint {kind!r} at depth {depth} of a {len(tokens)}-token sequence")
 
     @staticmethod
-    def _plan_attachments(path: list[Node], num_present: int,
-                          checkpoints: Checkpoints) -> list[_Step]:
+    def _plan_attachments(path: list[Node], num_present: int, checkpoints: Checkpoints) -> list[_Step]:
         """Checkpoints for depths already stored, where they add something."""
         by_depth = {node.depth: node for node in path}
         steps = []
         for depth in sorted(d for d in checkpoints if d <= num_present):
             kind, snapshot = checkpoints[depth]
             node = by_depth.get(depth)
-            if node is not None and node.kind is not None and (
-                    snapshot is None or node.snapshot is not None):
+            if node is not None and node.kind is not None and (snapshot is None or node.snapshot is not None):
                 continue  # a node keeps the checkpoint it has
             steps.append(_Step(depth, snapshot_nbytes(snapshot), 0 if node else 1, kind, snapshot, None))
         return steps
 
     @staticmethod
-    def _plan_new_edges(tokens: tuple, num_present: int, segment_start: int,
-                        segment: Segment | None, checkpoints: Checkpoints) -> list[_Step]:
+    def _plan_new_edges(
+        tokens: tuple, num_present: int, segment_start: int, segment: Segment | None, checkpoints: Checkpoints
+    ) -> list[_Step]:
         """New edges below num_present, cut at the checkpoint depths."""
         if segment is None or segment_start > num_present or num_present == len(tokens):
             return []
@@ -290,8 +316,7 @@ class PrefixStore:
             return taken, False
         return taken, True
 
-    def _apply(self, ns: _Namespace, tokens: tuple, steps: list[_Step],
-               now: float) -> tuple[int, int]:
+    def _apply(self, ns: _Namespace, tokens: tuple, steps: list[_Step], now: float) -> tuple[int, int]:
         """Carry out fitted steps; return (tokens stored, bytes stored)."""
         stored_tokens = stored_bytes = 0
         parent = None
@@ -302,7 +327,7 @@ class PrefixStore:
                 continue
             if parent is None:
                 parent = self._node_at(ns.root, tokens, step.depth - step.segment.num_tokens)
-            parent = self._add_child(parent, tokens[parent.depth:step.depth], step, now)
+            parent = self._add_child(parent, tokens[parent.depth : step.depth], step, now)
             stored_tokens, stored_bytes = stored_tokens + parent.num_tokens, stored_bytes + step.nbytes
         if parent is not None:
             self.budget.reconsider(parent)
@@ -334,8 +359,7 @@ class PrefixStore:
         ns = self._namespaces.get(namespace)
         path, num_present = walk(ns.root, tokens) if ns else ([], 0)
         if num_present < len(tokens):
-            raise NotStored(f"only {num_present} of these {len(tokens)} tokens are stored "
-                            f"in namespace {namespace!r}")
+            raise NotStored(f"only {num_present} of these {len(tokens)} tokens are stored in namespace {namespace!r}")
         end = path[-1]
         end_bytes = end.nbytes
         if end.depth > len(tokens):  # it ends inside an edge: only the head gets pinned
@@ -345,7 +369,8 @@ class PrefixStore:
         if not self.budget.can_pin(added):
             raise PinBudgetExceeded(
                 f"pinning {added} more bytes would exceed max_pinned_bytes "
-                f"({self.budget.total.pinned_bytes} of {self.budget.max_pinned_bytes} pinned)")
+                f"({self.budget.total.pinned_bytes} of {self.budget.max_pinned_bytes} pinned)"
+            )
         if end.depth > len(tokens):
             end = self._split_for_pin(ns, tokens, end)
         self.budget.pin(end, +1)
@@ -374,8 +399,9 @@ class PrefixStore:
         finally:
             self.budget.unlock(end)
         if not has_room:
-            raise PinBudgetExceeded("max_nodes reached and nothing evictable: no node can be "
-                                    "made where the pinned sequence ends")
+            raise PinBudgetExceeded(
+                "max_nodes reached and nothing evictable: no node can be made where the pinned sequence ends"
+            )
         return self._node_at(ns.root, tokens, len(tokens))
 
     # ----- eviction and namespaces -----
@@ -458,25 +484,45 @@ class PrefixStore:
         stack: list[tuple[Node, int | None]] = [(child, None) for child in ns.root.children.values()]
         while stack:
             node, parent_id = stack.pop()
-            yield StoredEdge(id(node), parent_id, node.key, node.start_depth, node.kind, node.segment,
-                             node.snapshot, node.nbytes, node.last_access)
+            yield StoredEdge(
+                id(node),
+                parent_id,
+                node.key,
+                node.start_depth,
+                node.kind,
+                node.segment,
+                node.snapshot,
+                node.nbytes,
+                node.last_access,
+            )
             stack.extend((child, id(node)) for child in node.children.values())
 
     def stats(self) -> StoreStats:
         """Sizes and counters, globally and per namespace."""
-        per_ns = {name: self._make_stats(ns.ledger, ns.lookups,
-                                         sum(1 for n in descendants(ns.root) if not n.children))
-                  for name, ns in self._namespaces.items()}
+        per_ns = {
+            name: self._make_stats(ns.ledger, ns.lookups, sum(1 for n in descendants(ns.root) if not n.children))
+            for name, ns in self._namespaces.items()
+        }
         num_sequences = sum(s.num_sequences for s in per_ns.values())
         return StoreStats(self._make_stats(self.budget.total, self._lookups, num_sequences), per_ns)
 
     def _make_stats(self, ledger: Ledger, lookups: LookupCounters, num_sequences: int) -> CacheStats:
         budget = self.budget
         return CacheStats(
-            ledger.num_nodes, num_sequences, ledger.num_bytes, budget.max_bytes,
-            ledger.pinned_bytes, budget.max_pinned_bytes, lookups.by_hit["exact"],
-            lookups.by_hit["partial"], lookups.by_hit["miss"], lookups.num_reused_tokens,
-            lookups.num_lookup_tokens, ledger.num_evictions, *lookups.recent_rates())
+            ledger.num_nodes,
+            num_sequences,
+            ledger.num_bytes,
+            budget.max_bytes,
+            ledger.pinned_bytes,
+            budget.max_pinned_bytes,
+            lookups.by_hit["exact"],
+            lookups.by_hit["partial"],
+            lookups.by_hit["miss"],
+            lookups.num_reused_tokens,
+            lookups.num_lookup_tokens,
+            ledger.num_evictions,
+            *lookups.recent_rates(),
+        )
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the store does not hold."""
@@ -485,16 +531,20 @@ class PrefixStore:
         for name, ns in self._namespaces.items():
             direct_pins = self._direct_pins(ns)
             self.budget.check_node(ns.root, direct_pins[id(ns.root)], live_keys)
-            require(ns.root.parent is None and ns.root.depth == 0 and ns.root.nbytes == 0,
-                    f"{name!r}: bad root")
+            require(ns.root.parent is None and ns.root.depth == 0 and ns.root.nbytes == 0, f"{name!r}: bad root")
             nodes = list(descendants(ns.root))
             for node in [ns.root, *nodes]:
                 check_edges(node, name)
             for node in nodes:
                 check_payload(node, name)
                 self.budget.check_node(node, direct_pins[id(node)], live_keys)
-            counted.append((name, ns.ledger, (len(nodes), sum(n.nbytes for n in nodes),
-                                              sum(n.nbytes for n in nodes if n.pin_count))))
+            counted.append(
+                (
+                    name,
+                    ns.ledger,
+                    (len(nodes), sum(n.nbytes for n in nodes), sum(n.nbytes for n in nodes if n.pin_count)),
+                )
+            )
         self.budget.check_totals(counted)
 
     def _direct_pins(self, ns: _Namespace) -> Counter[int]:
@@ -502,7 +552,9 @@ class PrefixStore:
         direct: Counter[int] = Counter()
         for tokens, count in ns.pins.items():
             path, num_present = walk(ns.root, tokens)
-            require(count > 0 and num_present == len(tokens) and path[-1].depth == len(tokens),
-                    f"{ns.name!r}: a pinned {len(tokens)}-token sequence lost its node")
+            require(
+                count > 0 and num_present == len(tokens) and path[-1].depth == len(tokens),
+                f"{ns.name!r}: a pinned {len(tokens)}-token sequence lost its node",
+            )
             direct[id(path[-1])] += count
         return direct

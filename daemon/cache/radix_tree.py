@@ -29,11 +29,24 @@ class Node:
     on a descendant, so protecting a node protects its ancestors too.
     """
 
-    __slots__ = ("ledger", "parent", "key", "segment", "snapshot", "kind", "children", "depth",
-                 "nbytes", "lock_count", "pin_count", "stored_at", "last_access", "heap_version")
+    __slots__ = (
+        "ledger",
+        "parent",
+        "key",
+        "segment",
+        "snapshot",
+        "kind",
+        "children",
+        "depth",
+        "nbytes",
+        "lock_count",
+        "pin_count",
+        "stored_at",
+        "last_access",
+        "heap_version",
+    )
 
-    def __init__(self, ledger: "Ledger", parent: Node | None, key: tuple[int, ...],
-                 segment: Any, now: float):
+    def __init__(self, ledger: "Ledger", parent: Node | None, key: tuple[int, ...], segment: Any, now: float):
         self.ledger = ledger
         self.parent = parent  # None for a root, and for an evicted node
         self.key = key  # the edge's token ids; children are keyed by key[0]
@@ -104,7 +117,7 @@ def walk(root: Node, tokens: tuple) -> tuple[list[Node], int]:
         if child is None:
             break
         path.append(child)
-        if tokens[depth:child.depth] == child.key:
+        if tokens[depth : child.depth] == child.key:
             node, depth = child, child.depth
             continue
         depth += common_prefix_length(child.key, tokens, depth)
@@ -130,9 +143,15 @@ def check_edges(node: Node, name: str) -> None:
 
 def check_payload(node: Node, name: str) -> None:
     where = f"{name!r}: node at depth {node.depth}"
-    require(node.segment.num_tokens == len(node.key),
-            f"{where}: segment holds {node.segment.num_tokens} tokens, edge {len(node.key)}")
-    require(node.nbytes == node.segment.nbytes + snapshot_nbytes(node.snapshot),
-            f"{where}: {node.nbytes} bytes recorded, payload has other")
-    require(node.kind in CHECKPOINT_KINDS or (node.kind is None and node.snapshot is None),
-            f"{where}: bad checkpoint {node.kind!r}")
+    require(
+        node.segment.num_tokens == len(node.key),
+        f"{where}: segment holds {node.segment.num_tokens} tokens, edge {len(node.key)}",
+    )
+    require(
+        node.nbytes == node.segment.nbytes + snapshot_nbytes(node.snapshot),
+        f"{where}: {node.nbytes} bytes recorded, payload has other",
+    )
+    require(
+        node.kind in CHECKPOINT_KINDS or (node.kind is None and node.snapshot is None),
+        f"{where}: bad checkpoint {node.kind!r}",
+    )

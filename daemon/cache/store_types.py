@@ -145,5 +145,4 @@ class StoreStats(NamedTuple):
 
     def as_dict(self) -> dict:
         """Plain nested dicts, ready to travel as a msgpack map."""
-        return {"total": self.total._asdict(),
-                "namespaces": {name: s._asdict() for name, s in self.namespaces.items()}}
+        return {"total": self.total._asdict(), "namespaces": {name: s._asdict() for name, s in self.namespaces.items()}}

@@ -73,8 +73,11 @@ class Channel:
                 buffer[head : head + len(payload)] = payload
         slot = 8 * (1 + self.rank)
         buffer[slot : slot + 8] = (digest & ((1 << 64) - 1)).to_bytes(8, "little")
-        summed = bytes(memoryview(self._run(mx.distributed.all_sum(mx.array(memoryview(buffer), dtype=mx.uint8),
-                                                                   group=self.group))))
+        summed = bytes(
+            memoryview(
+                self._run(mx.distributed.all_sum(mx.array(memoryview(buffer), dtype=mx.uint8), group=self.group))
+            )
+        )
         size = int.from_bytes(summed[0:8], "little")
         digests = [int.from_bytes(summed[8 * (1 + r) : 8 * (2 + r)], "little") for r in range(self.size)]
         if size <= INLINE_BYTES:
@@ -96,7 +99,9 @@ class Channel:
         sizes = [int(s) for s in sizes.tolist()]
         width = max(max(sizes), 1)
         padded = bytes(payload) + b"\0" * (width - len(payload))
-        rows = self._run(mx.distributed.all_gather(mx.array(memoryview(padded), dtype=mx.uint8)[None], group=self.group))
+        rows = self._run(
+            mx.distributed.all_gather(mx.array(memoryview(padded), dtype=mx.uint8)[None], group=self.group)
+        )
         flat = bytes(memoryview(rows.reshape(-1)))
         return [flat[r * width : r * width + sizes[r]] for r in range(self.size)]
 
@@ -104,6 +109,8 @@ class Channel:
         try:
             mx.eval(array)
         except RuntimeError as exc:
-            raise RankLost(f"rank {self.rank} of {self.size}: a collective failed ({exc}); another rank "
-                           "exited or lost its connection") from exc
+            raise RankLost(
+                f"rank {self.rank} of {self.size}: a collective failed ({exc}); another rank "
+                "exited or lost its connection"
+            ) from exc
         return array

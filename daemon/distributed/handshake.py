@@ -61,5 +61,7 @@ def check_peers(channel: Channel, stage: str, identity: dict[str, Any]) -> None:
             shown = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
             differences.append(f"{key} ({shown})")
     if differences:
-        raise RanksDisagree(f"the {channel.size} ranks differ {stage}: {'; '.join(differences)}. Start every rank "
-                            "with the same prefixd, the same model files and the same settings")
+        raise RanksDisagree(
+            f"the {channel.size} ranks differ {stage}: {'; '.join(differences)}. Start every rank "
+            "with the same prefixd, the same model files and the same settings"
+        )

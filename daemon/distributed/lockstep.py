@@ -91,22 +91,44 @@ class LockstepInputs:
         try:
             self.channel = Channel(mx.distributed.init(strict=True, backend=self.settings.backend))
             # Model paths may differ between machines; what they hold may not (configs now, weights below).
-            settings = {f"--{key.replace('_', '-')}": value for key, value in dataclasses.asdict(engine.settings).items()
-                        if key != "model_specs"}
-            check_peers(self.channel, "before loading", {
-                "prefixd": code_version(), "ranks": self.channel.size, "--parallel": self.settings.parallel, **settings,
-                "model configs": [config_digest(spec) for spec in engine.settings.model_specs]})
+            settings = {
+                f"--{key.replace('_', '-')}": value
+                for key, value in dataclasses.asdict(engine.settings).items()
+                if key != "model_specs"
+            }
+            check_peers(
+                self.channel,
+                "before loading",
+                {
+                    "prefixd": code_version(),
+                    "ranks": self.channel.size,
+                    "--parallel": self.settings.parallel,
+                    **settings,
+                    "model configs": [config_digest(spec) for spec in engine.settings.model_specs],
+                },
+            )
             yield
-            check_peers(self.channel, "after loading", {
-                "models": {name: m.fingerprint for name, m in engine.models.items()},
-                "kv_bytes_per_token": {name: m.kv_bytes_per_token for name, m in engine.models.items()}})
+            check_peers(
+                self.channel,
+                "after loading",
+                {
+                    "models": {name: m.fingerprint for name, m in engine.models.items()},
+                    "kv_bytes_per_token": {name: m.kv_bytes_per_token for name, m in engine.models.items()},
+                },
+            )
         finally:
             self.watchdog.disarm()
         # Unseeded sampling draws from MLX's global generator: the same seed everywhere, the same tokens.
         mx.random.seed(self.channel.agree(int.from_bytes(os.urandom(4), "little")))
-        log.info("rank_ready", rank=self.channel.rank, ranks=self.channel.size, pid=os.getpid(),
-                 backend=self.settings.backend, parallel=self.settings.parallel,
-                 blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))
+        log.info(
+            "rank_ready",
+            rank=self.channel.rank,
+            ranks=self.channel.size,
+            pid=os.getpid(),
+            backend=self.settings.backend,
+            parallel=self.settings.parallel,
+            blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+        )
 
     def load_shard(self, path: str) -> tuple[Any, Any]:
         """This rank's shard of a model (sharded_loading.py), over the group joined at start."""
@@ -133,8 +155,10 @@ class LockstepInputs:
                     raise
                 self._collective_error = self._collective_error or f"{type(exc).__name__}: {exc}"
             if self._collective_error is not None:
-                raise RankLost(f"rank {self.channel.rank} of {self.channel.size}: a collective failed during a "
-                               f"model pass ({self._collective_error}); another rank exited or lost its connection")
+                raise RankLost(
+                    f"rank {self.channel.rank} of {self.channel.size}: a collective failed during a "
+                    f"model pass ({self._collective_error}); another rank exited or lost its connection"
+                )
         finally:
             self.watchdog.disarm()
 
@@ -143,8 +167,10 @@ class LockstepInputs:
         payload = self._leader_payload(engine) if self.channel.is_leader else None
         data, digests = self.channel.exchange(payload, digest)
         if any(d != digests[0] for d in digests):
-            raise RanksDiverged(f"the ranks' engine states differ after iteration {self._number - 1} "
-                                f"(digests {digests}): their KV shards no longer match")
+            raise RanksDiverged(
+                f"the ranks' engine states differ after iteration {self._number - 1} "
+                f"(digests {digests}): their KV shards no longer match"
+            )
         inputs = IterationInputs.decode(data)
         if inputs.number != self._number:
             raise RanksDiverged(f"rank 0 sent iteration {inputs.number}, this rank expected {self._number}")
@@ -188,8 +214,13 @@ class LockstepInputs:
             return inputs.encode()
         except Exception as exc:
             for spec in inputs.jobs:
-                self._front_jobs.pop(spec.job_id).emit(FAILED, RpcError(
-                    ErrorCode.INTERNAL, f"the request could not be sent to the other ranks: {type(exc).__name__}: {exc}"))
+                self._front_jobs.pop(spec.job_id).emit(
+                    FAILED,
+                    RpcError(
+                        ErrorCode.INTERNAL,
+                        f"the request could not be sent to the other ranks: {type(exc).__name__}: {exc}",
+                    ),
+                )
             return dataclasses.replace(inputs, jobs=()).encode()
 
     def _leader_inputs(self, engine: Engine) -> IterationInputs:
@@ -199,13 +230,21 @@ class LockstepInputs:
         cancels = self._unsent_cancels()
         self._cancels_sent.update(cancels)
         store_ops, self._store_ops = tuple(self._store_ops), []
-        return IterationInputs(number=self._number, clock=time.monotonic(),
-                               prefill_tokens_per_s=engine.measured_prefill_rate(),
-                               jobs=specs, cancels=cancels, store_ops=store_ops)
+        return IterationInputs(
+            number=self._number,
+            clock=time.monotonic(),
+            prefill_tokens_per_s=engine.measured_prefill_rate(),
+            jobs=specs,
+            cancels=cancels,
+            store_ops=store_ops,
+        )
 
     def _unsent_cancels(self) -> tuple[int, ...]:
-        return tuple(job_id for job_id, job in self._front_jobs.items()
-                     if job.cancelled.is_set() and job_id not in self._cancels_sent)
+        return tuple(
+            job_id
+            for job_id, job in self._front_jobs.items()
+            if job.cancelled.is_set() and job_id not in self._cancels_sent
+        )
 
     def _take_jobs(self, engine: Engine) -> list[GenerateJob]:
         """As many queued jobs as could start now; none while earlier ones still wait (their memory)."""
@@ -221,8 +260,10 @@ class LockstepInputs:
 
     def _forward(self, job: GenerateJob) -> JobSpec | None:
         if job.params.cache.verify:  # its check re-runs the prompt outside the lock-step
-            job.emit(FAILED, RpcError(ErrorCode.INVALID_PARAMS,
-                                      "cache.verify is not available on a daemon spanning several ranks"))
+            job.emit(
+                FAILED,
+                RpcError(ErrorCode.INVALID_PARAMS, "cache.verify is not available on a daemon spanning several ranks"),
+            )
             return None
         self._front_jobs[job.job_id] = job
         return JobSpec(job.job_id, job.client_id, job.msgid, job.params, job.warm_only, job.encoded)
@@ -236,10 +277,17 @@ class LockstepInputs:
                 self._controls.replay(op)
         for spec in inputs.jobs:
             front = self._front_jobs.get(spec.job_id)
-            job = GenerateJob(spec.client_id, spec.msgid, spec.params, self._emitter(spec.job_id),
-                              warm_only=spec.warm_only, encoded=spec.encoded, job_id=spec.job_id,
-                              # the reply's queue time is the front's
-                              enqueued_at=front.enqueued_at if front is not None else time.monotonic())
+            job = GenerateJob(
+                spec.client_id,
+                spec.msgid,
+                spec.params,
+                self._emitter(spec.job_id),
+                warm_only=spec.warm_only,
+                encoded=spec.encoded,
+                job_id=spec.job_id,
+                # the reply's queue time is the front's
+                enqueued_at=front.enqueued_at if front is not None else time.monotonic(),
+            )
             self._jobs[spec.job_id] = job
             self._pending.append(job)
         for job_id in inputs.cancels:
@@ -250,8 +298,11 @@ class LockstepInputs:
         front = self._front_jobs.get(job_id)
 
         def emit(kind: str, payload: Any) -> None:
-            if (kind == FAILED and getattr(payload, "code", None) == ErrorCode.INTERNAL
-                    and is_collective_failure(payload.message)):
+            if (
+                kind == FAILED
+                and getattr(payload, "code", None) == ErrorCode.INTERNAL
+                and is_collective_failure(payload.message)
+            ):
                 # A lost rank, not this request's fault: the front's job waits for the engine's death
                 # (ENGINE_DEAD, at the end of this iteration), like every other running request.
                 self._collective_error = self._collective_error or payload.message
@@ -270,8 +321,10 @@ class LockstepInputs:
 
     def _state_digest(self, engine: Engine) -> int:
         """What every rank must agree on after an iteration: the sequences, their tokens, the store's size."""
-        state = [(s.job.job_id, s.phase.value, s.position, len(s.generated), s.generated[-1:])
-                 for s in engine.scheduler.active]
+        state = [
+            (s.job.job_id, s.phase.value, s.position, len(s.generated), s.generated[-1:])
+            for s in engine.scheduler.active
+        ]
         total = engine.store.budget.total
         state.append((len(self._pending) + engine.holds_job, total.num_bytes, total.num_nodes, total.pinned_bytes))
         return int.from_bytes(hashlib.blake2b(repr(state).encode(), digest_size=8).digest(), "little")

@@ -27,13 +27,20 @@ class LockstepControls(ControlCalls):
     def stats(self) -> dict[str, Any]:
         """As on one process (rank 0's store: every rank's holds the same entries), plus the ranks."""
         ranks = self.ranks
-        return {**super().stats(), "ranks": {"num_ranks": ranks.channel.size, "backend": ranks.settings.backend,
-                                             "parallel": ranks.settings.parallel,
-                                             "iterations": ranks.iteration_number}}
+        return {
+            **super().stats(),
+            "ranks": {
+                "num_ranks": ranks.channel.size,
+                "backend": ranks.settings.backend,
+                "parallel": ranks.settings.parallel,
+                "iterations": ranks.iteration_number,
+            },
+        }
 
     def unload_model(self, name: str) -> dict[str, Any]:
-        raise RpcError(ErrorCode.INVALID_PARAMS, "a daemon spanning several ranks keeps every model loaded; "
-                                                 "it cannot unload one")
+        raise RpcError(
+            ErrorCode.INVALID_PARAMS, "a daemon spanning several ranks keeps every model loaded; it cannot unload one"
+        )
 
     def replay(self, op: StoreOp) -> None:
         """A follower: the store change rank 0 made, with the same outcome (an error included)."""

@@ -69,8 +69,10 @@ def check_shardable(path: Path, num_ranks: int, parallel: str = "tensor") -> Non
         return
     if parallel not in modes:
         offers = f"offers {' and '.join(modes)} only (--parallel {modes[0]})" if modes else "splits it neither way"
-        raise NotShardable(f"{path.name} ({config.get('model_type')}) cannot run {parallel}-parallel over ranks: "
-                           f"mlx-lm's code for it {offers}")
+        raise NotShardable(
+            f"{path.name} ({config.get('model_type')}) cannot run {parallel}-parallel over ranks: "
+            f"mlx-lm's code for it {offers}"
+        )
     if parallel == "pipeline":
         layers = config.get("num_hidden_layers")
         if isinstance(layers, int) and layers % num_ranks:
@@ -78,17 +80,22 @@ def check_shardable(path: Path, num_ranks: int, parallel: str = "tensor") -> Non
             raise NotShardable(
                 f"{path.name}: num_hidden_layers = {layers} does not divide over {num_ranks} ranks (every rank must "
                 f"hold as many layers, so that the ranks' prefix stores count the same bytes); rank counts that "
-                f"work for this model in pipeline mode: {', '.join(map(str, working)) or 'none up to 8'}")
+                f"work for this model in pipeline mode: {', '.join(map(str, working)) or 'none up to 8'}"
+            )
         return
     for key in SPLIT_FIELDS:
         value = config.get(key)
         if isinstance(value, int) and value % num_ranks:
-            working = [n for n in range(2, 9) if all(
-                not isinstance(config.get(k), int) or config[k] % n == 0 for k in SPLIT_FIELDS)]
+            working = [
+                n
+                for n in range(2, 9)
+                if all(not isinstance(config.get(k), int) or config[k] % n == 0 for k in SPLIT_FIELDS)
+            ]
             raise NotShardable(
                 f"{path.name}: {key} = {value} does not divide over {num_ranks} ranks (mlx-lm's tensor-parallel "
                 f"shard() splits it evenly); rank counts that work for this model: "
-                f"{', '.join(map(str, working)) or 'none up to 8'}")
+                f"{', '.join(map(str, working)) or 'none up to 8'}"
+            )
 
 
 def make_sharded_loader(group: mx.distributed.Group, parallel: str = "tensor") -> Callable[[str], tuple[Any, Any]]:

@@ -51,8 +51,7 @@ class IterationWatchdog:
                 expired = self._deadline is not None and time.monotonic() > self._deadline
                 what, limit = self._what, self._limit
             if expired:
-                reason = (f"{what} took longer than {limit:.0f} s: another rank stopped answering "
-                          "(--rank-timeout)")
+                reason = f"{what} took longer than {limit:.0f} s: another rank stopped answering (--rank-timeout)"
                 log.critical("rank_watchdog_expired", reason=reason)
                 try:
                     self._on_expired(reason)

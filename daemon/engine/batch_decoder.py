@@ -127,15 +127,18 @@ class BatchDecoder:
         seconds (scheduler._prefill_short_tails).
         """
         if self._solo is None and not self._by_uid and not self._carried and len(inputs) == 1:
-            self._solo = SoloDecoder(self._model, seq, inputs[0], max_tokens, sampler_for(seq),
-                                     self._eos_token_ids, self._generator.stream)
+            self._solo = SoloDecoder(
+                self._model, seq, inputs[0], max_tokens, sampler_for(seq), self._eos_token_ids, self._generator.stream
+            )
             seq.cache = None  # the solo decoder owns it now
             return
         if self._solo is not None:
             self._move_solo_to_batch()
         self._insert(seq, inputs, max_tokens)
 
-    def _insert(self, seq: SequenceState, inputs: list[int], max_tokens: int, last_input_index: int | None = None) -> None:
+    def _insert(
+        self, seq: SequenceState, inputs: list[int], max_tokens: int, last_input_index: int | None = None
+    ) -> None:
         """``last_input_index``: the answer index of ``inputs[-1]`` (default: the last token handed out; -1: a prompt token)."""
         # The generator would take a missing cache for an empty one and answer from no context at all.
         if seq.cache is None:
@@ -209,8 +212,12 @@ class BatchDecoder:
         ((uid, seq),) = self._by_uid.items()
         remaining = seq.max_new_tokens - len(seq.generated)
         layout = seq.loaded.layout
-        if (remaining < MIN_SOLO_TOKENS_LEFT or uid not in self._generating or layout.is_hybrid
-                or not layout.is_supported):
+        if (
+            remaining < MIN_SOLO_TOKENS_LEFT
+            or uid not in self._generating
+            or layout.is_hybrid
+            or not layout.is_supported
+        ):
             return  # a row not yet generating still has its input tokens unfed: its cache is not the answer's
         entry = self._generator.remove([uid], return_prompt_caches=True).get(uid)
         del self._by_uid[uid]
@@ -219,8 +226,15 @@ class BatchDecoder:
         for layer in cache:
             layer.trim(1)
         seq.cache = cache
-        self._solo = SoloDecoder(self._model, seq, seq.generated[-1], remaining, sampler_for(seq),
-                                 self._eos_token_ids, self._generator.stream)
+        self._solo = SoloDecoder(
+            self._model,
+            seq,
+            seq.generated[-1],
+            remaining,
+            sampler_for(seq),
+            self._eos_token_ids,
+            self._generator.stream,
+        )
         seq.cache = None  # the solo decoder owns it now
 
     def holds(self, seq: SequenceState) -> bool:

@@ -46,11 +46,15 @@ class ControlCalls:
                 "total": _plain(store_stats.total),
                 "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
             },
-            "models": {name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1), "weight_bytes": m.weight_bytes}
-                       for name, m in engine.models.items()},  # the loaded ones
-            "residency": {"resident_bytes": engine.residency.resident_bytes,
-                          "max_model_bytes": engine.residency.max_bytes,
-                          "waiting_for_room": engine.residency.num_parked},
+            "models": {
+                name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1), "weight_bytes": m.weight_bytes}
+                for name, m in engine.models.items()
+            },  # the loaded ones
+            "residency": {
+                "resident_bytes": engine.residency.resident_bytes,
+                "max_model_bytes": engine.residency.max_bytes,
+                "waiting_for_room": engine.residency.num_parked,
+            },
             "shadow": engine.scheduler.shadow.stats(),
             "process": {
                 "peak_rss_bytes": peak_rss_bytes(),

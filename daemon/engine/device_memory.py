@@ -37,8 +37,12 @@ def limit_buffer_cache(limit_bytes: int) -> None:
     import mlx.core as mx
 
     previous = mx.set_cache_limit(limit_bytes)
-    log.info("mlx_buffer_cache_limited", cache_limit_bytes=limit_bytes, previous_limit_bytes=previous,
-             memory_limit_bytes=_memory_limit(mx))
+    log.info(
+        "mlx_buffer_cache_limited",
+        cache_limit_bytes=limit_bytes,
+        previous_limit_bytes=previous,
+        memory_limit_bytes=_memory_limit(mx),
+    )
 
 
 def _memory_limit(mx) -> int | None:

@@ -87,9 +87,16 @@ class Engine:
     ``warms_up``: a model's load ends with its warm-up where ``settings.warm_up`` asks for one.
     """
 
-    def __init__(self, inputs: InputSource, settings: EngineSettings, *,
-                 load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load,
-                 loads_on_demand: bool = True, unloads_idle: bool = True, warms_up: bool = True):
+    def __init__(
+        self,
+        inputs: InputSource,
+        settings: EngineSettings,
+        *,
+        load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load,
+        loads_on_demand: bool = True,
+        unloads_idle: bool = True,
+        warms_up: bool = True,
+    ):
         self.settings = settings
         self.inputs = inputs
         self.inbox = inputs.inbox
@@ -160,7 +167,9 @@ class Engine:
         compiles on a grammar thread, then is queued; one whose constraint does
         not compile fails with INVALID_PARAMS through its ``emit``.
         """
-        unpin = self.residency.pin(job, self.entry_for(job.params.model).name)  # until its reply: never unloaded under it
+        unpin = self.residency.pin(
+            job, self.entry_for(job.params.model).name
+        )  # until its reply: never unloaded under it
         try:
             if job.params.constraint is not None and job.grammar is None and not job.warm_only:
                 if not reserved:
@@ -221,8 +230,10 @@ class Engine:
         return await future
 
     def dead_error(self) -> RpcError:
-        return RpcError(ErrorCode.ENGINE_DEAD, f"the engine has stopped ({self.dead_reason}); "
-                                               "the daemon is exiting and its service manager restarts it")
+        return RpcError(
+            ErrorCode.ENGINE_DEAD,
+            f"the engine has stopped ({self.dead_reason}); the daemon is exiting and its service manager restarts it",
+        )
 
     # -- engine thread ----------------------------------------------------------------
 
@@ -261,8 +272,12 @@ class Engine:
                 num_failed_in_a_row = 0
             except Exception as exc:
                 num_failed_in_a_row += 1
-                log.error("engine_step_failed", failures_in_a_row=num_failed_in_a_row,
-                          active=len(self.scheduler.active), exc_info=True)
+                log.error(
+                    "engine_step_failed",
+                    failures_in_a_row=num_failed_in_a_row,
+                    active=len(self.scheduler.active),
+                    exc_info=True,
+                )
                 self._fail_running(internal_error(exc, "the engine failed while running this request"))
                 if num_failed_in_a_row >= MAX_FAILED_ITERATIONS:
                     return f"{num_failed_in_a_row} failures in a row, the last {type(exc).__name__}: {exc}"
@@ -309,7 +324,11 @@ class Engine:
         else:
             timeout = IDLE_WAIT_S
         arrived = self.inputs.wait(timeout)  # what arrived is taken next iteration
-        if not arrived and shadow.has_work and (shadow.has_urgent_work or time.monotonic() - self._busy_at >= SHADOW_IDLE_GRACE_S):
+        if (
+            not arrived
+            and shadow.has_work
+            and (shadow.has_urgent_work or time.monotonic() - self._busy_at >= SHADOW_IDLE_GRACE_S)
+        ):
             shadow.step()
 
     def _fail_running(self, err: RpcError) -> None:
@@ -401,8 +420,12 @@ class Engine:
         self._warms_up = warm_up_wanted(self.settings.warm_up, on_gpu) and self._may_warm_up
         log.info("prefill_chunk", tokens=self.prefill_chunk, device=str(mx.default_device()))
         # Every model is described (tokenizer, layout, size: no weights read) before any loads.
-        self.catalog = describe_models(self.settings.model_specs, self.settings.dtype, self.settings.found_model_specs,
-                                       self.settings.chat_templates)
+        self.catalog = describe_models(
+            self.settings.model_specs,
+            self.settings.dtype,
+            self.settings.found_model_specs,
+            self.settings.chat_templates,
+        )
         self.cards = {name: entry.card for name, entry in self.catalog.items()}
         self.model_names = tuple(self.catalog)
         self.default_model = self.model_names[0] if self.model_names else None
@@ -420,33 +443,55 @@ class Engine:
             max_active=self.settings.max_active,
             kv_budget=kv_budget,
             resolve_model=self.model_for,
-            runner=ModelRunner(self.store, self.prefill_chunk, decode_stream=(
-                mx.default_stream(mx.default_device()) if self.inputs.passes_on_default_stream else None)),
+            runner=ModelRunner(
+                self.store,
+                self.prefill_chunk,
+                decode_stream=(
+                    mx.default_stream(mx.default_device()) if self.inputs.passes_on_default_stream else None
+                ),
+            ),
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
             pass_depth_scale=None if on_gpu else CPU_PASS_DEPTH_SCALE,
             agree=self.inputs.agree,
         )
-        self.residency = ModelResidency(self.catalog, load=self._load_entry, on_unload=self._forget_model,
-                                        keep_alive=self.settings.keep_alive_s, max_bytes=self.settings.max_model_bytes,
-                                        load_steps=self._load_entry_in_steps if self._loads_on_demand else None,
-                                        serving=self._serving_models, unloads_idle=self._unloads_idle)
+        self.residency = ModelResidency(
+            self.catalog,
+            load=self._load_entry,
+            on_unload=self._forget_model,
+            keep_alive=self.settings.keep_alive_s,
+            max_bytes=self.settings.max_model_bytes,
+            load_steps=self._load_entry_in_steps if self._loads_on_demand else None,
+            serving=self._serving_models,
+            unloads_idle=self._unloads_idle,
+        )
         # On demand, only the default model loads now; otherwise every model does, to stay.
         for name in self.model_names[:1] if self._loads_on_demand else self.model_names:
             self.residency.ensure_loaded(name, None)
 
     def _load_entry(self, entry: CatalogEntry) -> LoadedModel:
         """Load a configured model's weights whole (at start, or when asked to). Engine thread."""
-        loaded = load_model(entry.spec, dtype=self.settings.dtype, attention=self.settings.attention,
-                            load_weights=self._load_weights, chat_template=entry.chat_template)
+        loaded = load_model(
+            entry.spec,
+            dtype=self.settings.dtype,
+            attention=self.settings.attention,
+            load_weights=self._load_weights,
+            chat_template=entry.chat_template,
+        )
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
 
     def _load_entry_in_steps(self, entry: CatalogEntry) -> Generator[None, None, LoadedModel]:
         """Load a request's model a step per engine iteration (models/staged_load.py). Engine thread."""
         started = time.perf_counter()
-        loaded = yield from load_in_steps(entry.spec, entry.path, self.settings.dtype, self.settings.attention,
-                                          self._tokenizer_pool, chat_template=entry.chat_template)
+        loaded = yield from load_in_steps(
+            entry.spec,
+            entry.path,
+            self.settings.dtype,
+            self.settings.attention,
+            self._tokenizer_pool,
+            chat_template=entry.chat_template,
+        )
         warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
         return self._adopt(loaded, entry, warm_up_seconds)
@@ -457,8 +502,9 @@ class Engine:
         try:
             return (yield from warm_up_steps(loaded))
         except Exception as exc:
-            log.warning("warm_up_failed", model=entry.name, error=f"{type(exc).__name__}: {exc}",
-                        action="serving without it")
+            log.warning(
+                "warm_up_failed", model=entry.name, error=f"{type(exc).__name__}: {exc}", action="serving without it"
+            )
             return None
 
     def _adopt(self, loaded: LoadedModel, entry: CatalogEntry, warm_up_seconds: float | None = None) -> LoadedModel:
@@ -480,7 +526,9 @@ class Engine:
             process_peak_rss_bytes=peak_rss_bytes(),
         )
         if not loaded.layout.is_supported:
-            log.warning("prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache")
+            log.warning(
+                "prefix_cache_unsupported", model=loaded.name, reason="cache layers other than KVCache/ArraysCache"
+            )
         return loaded
 
     def _forget_model(self, loaded: LoadedModel) -> None:

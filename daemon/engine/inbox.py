@@ -89,7 +89,9 @@ class Inbox:
             self._drop_cancelled(None)
         in_line = self._num_queued + self._num_reserved
         if in_line >= self.max_queued:
-            raise RpcError(ErrorCode.OVERLOADED, f"{in_line} requests already queued (limit {self.max_queued}); retry later")
+            raise RpcError(
+                ErrorCode.OVERLOADED, f"{in_line} requests already queued (limit {self.max_queued}); retry later"
+            )
         mine = self._queued_per_client.get(client_id, 0) + self._reserved.get(client_id, 0)
         if mine >= self.max_queued_per_client:
             raise RpcError(

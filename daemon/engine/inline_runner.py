@@ -22,8 +22,9 @@ from .scheduler import Scheduler
 STORELESS_KV_BUDGET_BYTES = 8 << 30
 
 
-def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore | None,
-               chunk_size: int = 512) -> list[dict]:
+def run_inline(
+    jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore | None, chunk_size: int = 512
+) -> list[dict]:
     """Run ``jobs`` together (continuous batching) and return their final results in order.
 
     The jobs' KV shares the store's budget with what it holds. A job that fails raises its RpcError here.
@@ -40,8 +41,14 @@ def run_inline(jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore 
         return dataclasses.replace(job, emit=emit)  # same id and cancel flag, results collected here
 
     kv_budget = store.kv_budget if store is not None else KvBudget(STORELESS_KV_BUDGET_BYTES)
-    scheduler = Scheduler(store, chunk_size, max_active=len(jobs), kv_budget=kv_budget,
-                          resolve_model=lambda _: loaded, runner=ModelRunner(store, chunk_size))
+    scheduler = Scheduler(
+        store,
+        chunk_size,
+        max_active=len(jobs),
+        kv_budget=kv_budget,
+        resolve_model=lambda _: loaded,
+        runner=ModelRunner(store, chunk_size),
+    )
     for job in jobs:
         admitted = scheduler.admit(collecting(job))
         assert admitted, "the KV budget is too small for these jobs"

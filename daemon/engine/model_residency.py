@@ -102,7 +102,9 @@ class ModelResidency:
         self._clock = clock
         self._lock = threading.Lock()
         self._uses = itertools.count(1)
-        self._parked: deque[tuple[GenerateJob, str]] = deque()  # (job, its model): waiting for pinned models to make room
+        self._parked: deque[tuple[GenerateJob, str]] = (
+            deque()
+        )  # (job, its model): waiting for pinned models to make room
 
     # -- any thread ------------------------------------------------------------------------
 
@@ -189,8 +191,11 @@ class ModelResidency:
         for item in self._parked:
             job, name = item
             slot = self._slots[name]
-            if (job.cancelled.is_set() or slot.loaded is not None
-                    or (slot.loading is None and self._fits_after_evictions(slot))):
+            if (
+                job.cancelled.is_set()
+                or slot.loaded is not None
+                or (slot.loading is None and self._fits_after_evictions(slot))
+            ):
                 self._parked.remove(item)
                 return job
         return None
@@ -204,8 +209,10 @@ class ModelResidency:
         the parked job would wait for as long as that stream lasts. Requests
         behind it wait for what is running now to finish, as in Ollama.
         """
-        return any(not job.cancelled.is_set() and self._slots[name].loaded is None and self._slots[name].loading is None
-                   for job, name in self._parked)
+        return any(
+            not job.cancelled.is_set() and self._slots[name].loaded is None and self._slots[name].loading is None
+            for job, name in self._parked
+        )
 
     @property
     def num_parked(self) -> int:
@@ -241,8 +248,11 @@ class ModelResidency:
                 raise
         if slot.loaded is None:
             if not self._make_room(slot):
-                raise RpcError(ErrorCode.OVERLOADED, f"model {name} does not fit beside the models serving requests "
-                                                     f"now (--max-model-memory {self.max_bytes} bytes); retry later")
+                raise RpcError(
+                    ErrorCode.OVERLOADED,
+                    f"model {name} does not fit beside the models serving requests "
+                    f"now (--max-model-memory {self.max_bytes} bytes); retry later",
+                )
             self._load_slot(slot)
         slot.last_used = next(self._uses)
         with self._lock:
@@ -277,8 +287,11 @@ class ModelResidency:
     @property
     def resident_bytes(self) -> int:
         """The loaded models' weights, and those of models loading now (their memory is being filled)."""
-        return sum(slot.loaded.weight_bytes if slot.loaded is not None else slot.entry.weight_bytes
-                   for slot in self._slots.values() if slot.loaded is not None or slot.loading is not None)
+        return sum(
+            slot.loaded.weight_bytes if slot.loaded is not None else slot.entry.weight_bytes
+            for slot in self._slots.values()
+            if slot.loaded is not None or slot.loading is not None
+        )
 
     def describe(self, name: str) -> dict[str, Any]:
         """What ``models`` says of its residency: loaded or not, its memory, since when and until when."""
@@ -315,8 +328,13 @@ class ModelResidency:
         """
         serving = self._serving() if self._serving is not None else None
         with self._lock:
-            idle = [s for s in self._slots.values() if s is not wanted and s.loaded is not None
-                    and (not s.num_jobs if serving is None else s.entry.name not in serving)]
+            idle = [
+                s
+                for s in self._slots.values()
+                if s is not wanted
+                and s.loaded is not None
+                and (not s.num_jobs if serving is None else s.entry.name not in serving)
+            ]
         return sorted(idle, key=lambda s: s.last_used)
 
     def _make_room(self, slot: _Slot) -> bool:
@@ -325,9 +343,11 @@ class ModelResidency:
             return True
         need = slot.entry.weight_bytes
         if need > self.max_bytes:
-            raise RpcError(ErrorCode.MODEL_LOAD_FAILED,
-                           f"model {slot.entry.name} needs {need} bytes of weights, more than --max-model-memory "
-                           f"({self.max_bytes} bytes) allows for all models together")
+            raise RpcError(
+                ErrorCode.MODEL_LOAD_FAILED,
+                f"model {slot.entry.name} needs {need} bytes of weights, more than --max-model-memory "
+                f"({self.max_bytes} bytes) allows for all models together",
+            )
         if not self._fits_after_evictions(slot):
             return False
         for victim in self._evictable(slot):
@@ -365,27 +385,44 @@ class ModelResidency:
     def _load_error(self, slot: _Slot, exc: Exception) -> RpcError:
         entry = slot.entry
         log.error("model_load_failed", model=entry.name, path=str(entry.path), error=f"{type(exc).__name__}: {exc}")
-        return RpcError(ErrorCode.MODEL_LOAD_FAILED,
-                        f"model {entry.name} could not be loaded from {entry.path}: {type(exc).__name__}: {exc}")
+        return RpcError(
+            ErrorCode.MODEL_LOAD_FAILED,
+            f"model {entry.name} could not be loaded from {entry.path}: {type(exc).__name__}: {exc}",
+        )
 
     def _resident(self, slot: _Slot, loaded: LoadedModel) -> None:
         entry = slot.entry
         if loaded.fingerprint != entry.fingerprint:
-            log.warning("model_changed_on_disk", model=entry.name, fingerprint_at_start=entry.fingerprint,
-                        fingerprint_now=loaded.fingerprint)
+            log.warning(
+                "model_changed_on_disk",
+                model=entry.name,
+                fingerprint_at_start=entry.fingerprint,
+                fingerprint_now=loaded.fingerprint,
+            )
         slot.loaded, slot.loaded_at = loaded, time.time()
         slot.last_used = next(self._uses)
         with self._lock:
             if not slot.num_jobs:
                 slot.idle_since = self._clock()
-        log.info("model_resident", model=entry.name, load_s=round(time.perf_counter() - slot.load_started, 3),
-                 weight_bytes=loaded.weight_bytes, resident_bytes=self.resident_bytes,
-                 keep_alive=describe_keep_alive(slot.keep_alive))
+        log.info(
+            "model_resident",
+            model=entry.name,
+            load_s=round(time.perf_counter() - slot.load_started, 3),
+            weight_bytes=loaded.weight_bytes,
+            resident_bytes=self.resident_bytes,
+            keep_alive=describe_keep_alive(slot.keep_alive),
+        )
 
     def _unload_slot(self, slot: _Slot, reason: str, for_model: str | None = None) -> None:
         loaded, slot.loaded, slot.loaded_at = slot.loaded, None, None
         if loaded is None:
             return
         self._on_unload(loaded)
-        log.info("model_unloaded", model=slot.entry.name, reason=reason, for_model=for_model,
-                 weight_bytes=loaded.weight_bytes, resident_bytes=self.resident_bytes)
+        log.info(
+            "model_unloaded",
+            model=slot.entry.name,
+            reason=reason,
+            for_model=for_model,
+            weight_bytes=loaded.weight_bytes,
+            resident_bytes=self.resident_bytes,
+        )

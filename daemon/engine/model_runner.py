@@ -77,8 +77,9 @@ class ModelRunner:
         seq = join.seq
         decoder = self._decoders.get(seq.loaded.name)
         if decoder is None:
-            decoder = self._decoders[seq.loaded.name] = BatchDecoder(seq.loaded.model, seq.loaded.eos_token_ids,
-                                                                     stream=self.decode_stream)
+            decoder = self._decoders[seq.loaded.name] = BatchDecoder(
+                seq.loaded.model, seq.loaded.eos_token_ids, stream=self.decode_stream
+            )
         decoder.add(seq, [join.token], join.max_new_tokens)
 
     def _decode(self, name: str, result: StepResult) -> None:

@@ -83,8 +83,14 @@ def make_sequence(job: GenerateJob, loaded: LoadedModel) -> SequenceState:
         loaded.encoder.check_length(len(prompt.tokens), generates)
     room = loaded.context_length - len(prompt.tokens)
     max_new_tokens = min(job.params.max_tokens, room) if generates else 0
-    return SequenceState(job, loaded, prompt, CacheReport(prompt_tokens=len(prompt.tokens)),
-                         max_new_tokens=max_new_tokens, uses_cache=job.params.cache.use)
+    return SequenceState(
+        job,
+        loaded,
+        prompt,
+        CacheReport(prompt_tokens=len(prompt.tokens)),
+        max_new_tokens=max_new_tokens,
+        uses_cache=job.params.cache.use,
+    )
 
 
 def uses_store(store: PrefixStore | None, seq: SequenceState) -> bool:
@@ -113,7 +119,11 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
         seq.lease = match.lease
     seq.reused = match.length if match is not None else 0
     seq.cache = fork_cache(
-        loaded.model, loaded.layout, list(match.segments) if match else [], match.snapshot if match else None, seq.reused
+        loaded.model,
+        loaded.layout,
+        list(match.segments) if match else [],
+        match.snapshot if match else None,
+        seq.reused,
     )
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
@@ -134,8 +144,14 @@ def system_prompt_ends(prompt: EncodedPrompt) -> frozenset[int]:
     return frozenset(ends)
 
 
-def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_hybrid: bool,
-               pinned: frozenset[int] = frozenset(), depth_scale: int | None = None) -> list[tuple[int, str]]:
+def next_stops(
+    plan: list[tuple[int, str]],
+    position: int,
+    chunk_size: int,
+    is_hybrid: bool,
+    pinned: frozenset[int] = frozenset(),
+    depth_scale: int | None = None,
+) -> list[tuple[int, str]]:
     """Take the stops the next forward pass covers off the front of ``plan``.
 
     A hybrid model's conv/SSM state can only be snapshotted where a pass ends,
@@ -170,8 +186,12 @@ def next_stops(plan: list[tuple[int, str]], position: int, chunk_size: int, is_h
             taken.append(plan.pop(0))
         return taken
     taken = [plan.pop(0)]
-    while plan and plan[0][0] <= position + chunk_size and taken[-1][0] not in pinned and (
-            taken[-1][0] - position < HYBRID_MIN_PASS_TOKENS or plan[0][0] - taken[-1][0] < HYBRID_MIN_PASS_TOKENS):
+    while (
+        plan
+        and plan[0][0] <= position + chunk_size
+        and taken[-1][0] not in pinned
+        and (taken[-1][0] - position < HYBRID_MIN_PASS_TOKENS or plan[0][0] - taken[-1][0] < HYBRID_MIN_PASS_TOKENS)
+    ):
         taken.append(plan.pop(0))
     return taken
 
@@ -240,4 +260,3 @@ def store_progress(seq: SequenceState, store: PrefixStore | None, cache: list[An
     if seq.lease is not None:
         store.release(seq.lease)
     seq.lease = lease
-

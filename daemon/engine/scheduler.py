@@ -93,8 +93,9 @@ class Scheduler:
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         # Seconds spent prefilling and decoding since both last had work (see step).
         self._prefill_s = self._decode_s = 0.0
-        self.shadow = ShadowChecker(shadow_rate, shadow_action, chunk_size, reserve=kv_budget.reserve_side,
-                                    depth_scale=pass_depth_scale)
+        self.shadow = ShadowChecker(
+            shadow_rate, shadow_action, chunk_size, reserve=kv_budget.reserve_side, depth_scale=pass_depth_scale
+        )
         # A decision taken from this process's clock; ranks in lock-step all take rank 0's (engine/inputs.py).
         self._agree = agree
 
@@ -277,8 +278,9 @@ class Scheduler:
         plan = StepPlan()
         for seq in self.active:
             leader = seq.waiting_on
-            if seq.phase is Phase.WAITING and (leader.phase is not Phase.PREFILL or seq.is_cancelled
-                                               or leader.stored_upto >= seq.waiting_for):
+            if seq.phase is Phase.WAITING and (
+                leader.phase is not Phase.PREFILL or seq.is_cancelled or leader.stored_upto >= seq.waiting_for
+            ):
                 seq.waiting_on = None
                 if seq.is_cancelled:
                     plan.finishes.append(Finish(seq, FINISH_CANCELLED))
@@ -319,7 +321,9 @@ class Scheduler:
         split, so a long one still cannot slow the answers to a pass per token
         for long. bench/agent_workload.py measures it.
         """
-        last = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and len(s.tokens) - s.position <= self.chunk_size]
+        last = [
+            s for s in self._prefill_turns if s.phase is Phase.PREFILL and len(s.tokens) - s.position <= self.chunk_size
+        ]
         if not last:
             return None
         seq = min(last, key=lambda s: len(s.tokens) - s.position)
@@ -345,6 +349,7 @@ class Scheduler:
         or two long) would otherwise hold a six-token cold prompt back until the
         stream ended (bench/fairness.py, the HTTP burst).
         """
+
         def is_short(seq: SequenceState) -> bool:
             return len(seq.tokens) - seq.position <= SHORT_TAIL_TOKENS
 
@@ -374,8 +379,9 @@ class Scheduler:
             return StepPlan(prefill=[PrefillPass(seq, (), seq.position, samples_first=generates)])
         hybrid = seq.loaded.layout.is_hybrid
         left = list(seq.plan)  # next_stops takes the pass's stops off this copy; the runner's pass, off seq.plan
-        stops = next_stops(left, seq.position, self.chunk_size, hybrid, system_prompt_ends(seq.prompt),
-                           self.pass_depth_scale)
+        stops = next_stops(
+            left, seq.position, self.chunk_size, hybrid, system_prompt_ends(seq.prompt), self.pass_depth_scale
+        )
         is_last = not left
         depth = stops[-1][0]
         # An attention model's last pass takes the prompt's last token along: its logits give the first token.
@@ -541,8 +547,12 @@ class Scheduler:
         }
 
 
-def _send_verified(seq: SequenceState, result: dict[str, Any], outcome: ShadowOutcome | None,
-                   why_not: str = "nothing was reused: there is no cached run to compare") -> None:
+def _send_verified(
+    seq: SequenceState,
+    result: dict[str, Any],
+    outcome: ShadowOutcome | None,
+    why_not: str = "nothing was reused: there is no cached run to compare",
+) -> None:
     """A verify request's reply: its answer, with the comparison (or why there is none) as ``verify``."""
     verify = outcome.to_wire() if outcome is not None else {"status": "not-checked", "reason": why_not}
     seq.job.emit(DONE, {**result, "verify": verify})

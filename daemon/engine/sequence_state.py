@@ -133,7 +133,9 @@ class SequenceState:
     def finish(self, finish_reason: str, send: bool = True) -> dict[str, Any]:
         """The final reply; ``send=False`` holds it back for the caller to send (a verify request)."""
         self.phase = Phase.DONE
-        self.finish_reason = FINISH_CANCELLED if self.is_cancelled and finish_reason != FINISH_CANCELLED else finish_reason
+        self.finish_reason = (
+            FINISH_CANCELLED if self.is_cancelled and finish_reason != FINISH_CANCELLED else finish_reason
+        )
         self.finished_at = time.monotonic()
         result = self.result()
         self.job.answer_tokens = list(self.generated)

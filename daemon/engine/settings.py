@@ -26,7 +26,9 @@ class EngineSettings:
     max_model_bytes: int = 0  # loaded models' weights together; 0: no limit (engine/model_residency.py)
     found_model_specs: tuple[str, ...] = ()  # found in --models-dir: served after model_specs, skipped if unservable
     chat_templates: tuple[ChatTemplateFile, ...] = ()  # --chat-template: read at start, each replacing a model's own
-    mlx_cache_bytes: int | None = None  # freed device memory MLX keeps for reuse; None: engine/device_memory.py's default
+    mlx_cache_bytes: int | None = (
+        None  # freed device memory MLX keeps for reuse; None: engine/device_memory.py's default
+    )
 
 
 CPU_PREFILL_CHUNK = 512

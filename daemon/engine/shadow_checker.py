@@ -42,8 +42,15 @@ OUTCOMES = ("match", "mismatch", "dropped", "failed")
 
 
 class ShadowChecker:
-    def __init__(self, rate: float, action: str, chunk_size: int,
-                 reserve: Callable[[int], bool], rng: random.Random | None = None, depth_scale: int | None = None):
+    def __init__(
+        self,
+        rate: float,
+        action: str,
+        chunk_size: int,
+        reserve: Callable[[int], bool],
+        rng: random.Random | None = None,
+        depth_scale: int | None = None,
+    ):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"shadow rate {rate} is not between 0 and 1")
         if action not in SHADOW_ACTIONS:
@@ -71,8 +78,13 @@ class ShadowChecker:
             return True
         if seq.params.constraint is not None:
             return False  # an unconstrained re-run may legitimately answer otherwise
-        return (self.rate > 0 and seq.reused > 0 and _is_greedy(seq) and not seq.job.warm_only
-                and self._rng.random() < self.rate)
+        return (
+            self.rate > 0
+            and seq.reused > 0
+            and _is_greedy(seq)
+            and not seq.job.warm_only
+            and self._rng.random() < self.rate
+        )
 
     def keep(self, seq: SequenceState, logits: mx.array | None) -> None:
         """At the first token: mark a request for a check and keep its prompt logits (None: not at hand)."""
@@ -129,8 +141,9 @@ class ShadowChecker:
             outcome = run.step()
         except Exception as exc:  # a broken shadow run costs its check, never the engine
             log.exception("shadow_run_failed", request_id=run.sample.request_id, model=run.sample.loaded.name)
-            outcome = ShadowOutcome(run.sample.request_id, run.sample.loaded.name, "failed",
-                                    reason=f"{type(exc).__name__}: {exc}")
+            outcome = ShadowOutcome(
+                run.sample.request_id, run.sample.loaded.name, "failed", reason=f"{type(exc).__name__}: {exc}"
+            )
         self.longest_pass_ms = max(self.longest_pass_ms, (time.perf_counter() - started) * 1000)
         if outcome is not None:
             self._current = None
@@ -198,7 +211,9 @@ class ShadowChecker:
             "action": self.action,
             "pending": len(self._pending) + len(self._urgent) + (self._current is not None),
             "longest_pass_ms": round(self.longest_pass_ms, 1),
-            "per_model": {model: {status: counts[status] for status in OUTCOMES} for model, counts in self.counts.items()},
+            "per_model": {
+                model: {status: counts[status] for status in OUTCOMES} for model, counts in self.counts.items()
+            },
             "distrusted": {model: sorted(kinds) for model, kinds in self._distrusted.items()},
         }
 
@@ -210,5 +225,12 @@ def _is_greedy(seq: SequenceState) -> bool:
 
 
 def _dropped(sample: ShadowSample, reason: str) -> ShadowOutcome:
-    return ShadowOutcome(sample.request_id, sample.loaded.name, "dropped", checkpoint=sample.checkpoint,
-                         reused_tokens=sample.reused_tokens, source=sample.source, reason=reason)
+    return ShadowOutcome(
+        sample.request_id,
+        sample.loaded.name,
+        "dropped",
+        checkpoint=sample.checkpoint,
+        reused_tokens=sample.reused_tokens,
+        source=sample.source,
+        reason=reason,
+    )

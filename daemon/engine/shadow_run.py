@@ -120,8 +120,14 @@ class ShadowRun:
 
     def _prefill_pass(self) -> mx.array | None:
         """Mirrors prefill.prefill_step: the last pass of an attention model takes the last token along."""
-        stops = next_stops(self._plan, self._position, self._chunk_size, self.is_hybrid,
-                           system_prompt_ends(self.sample.prompt), self._depth_scale)
+        stops = next_stops(
+            self._plan,
+            self._position,
+            self._chunk_size,
+            self.is_hybrid,
+            system_prompt_ends(self.sample.prompt),
+            self._depth_scale,
+        )
         depth = stops[-1][0]
         takes_last = not self._plan and not self.is_hybrid and depth == len(self._tokens) - 1
         run_to = depth + 1 if takes_last else depth
@@ -156,8 +162,9 @@ class ShadowRun:
             return "match"
         return "match" if self._logprob_difference <= logit_tolerance(self._loaded.dtype) else "mismatch"
 
-    def _outcome(self, status: str, index: int | None = None, cached: int | None = None,
-                 uncached: int | None = None) -> ShadowOutcome:
+    def _outcome(
+        self, status: str, index: int | None = None, cached: int | None = None, uncached: int | None = None
+    ) -> ShadowOutcome:
         sample = self.sample
         difference = self._logprob_difference
         return ShadowOutcome(

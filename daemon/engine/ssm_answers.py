@@ -35,7 +35,7 @@ def store_replayed_answer(seq: SequenceState, store: PrefixStore | None, chunk_s
             return  # nothing of the prompt stored (evicted meanwhile): a replay would be a whole prefill
         cache = fork_cache(seq.loaded.model, layout, list(match.segments), match.snapshot, match.length)
         for start in range(match.length, len(tokens), chunk_size):
-            seq.loaded.model(mx.array(tokens[start:start + chunk_size])[None], cache=cache)
+            seq.loaded.model(mx.array(tokens[start : start + chunk_size])[None], cache=cache)
             mx.eval([c.state for c in cache])
         seq.checkpoints[len(tokens)] = ("answer-end", capture_snapshot(cache, layout))
         store_progress(seq, store, cache, tokens)

@@ -39,7 +39,7 @@ class StopStringMatcher:
             return out
         keep = self._longest_partial_suffix(self._pending)
         out = self._pending[: len(self._pending) - keep]
-        self._pending = self._pending[len(out):]
+        self._pending = self._pending[len(out) :]
         return out
 
     def flush(self) -> str:

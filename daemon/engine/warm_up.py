@@ -127,8 +127,11 @@ def _decode_paths(loaded: LoadedModel, fork: Callable[[int], list[Any]], last_to
     5. the last row goes back to the solo path (attention-only models), and is taken out.
     """
     decoder = BatchDecoder(loaded.model, loaded.eos_token_ids)
-    joiners = ((0.0, WARM_SEGMENTS, FIRST_ANSWER_STEPS), (0.7, WARM_SEGMENTS - 1, LATER_ANSWER_STEPS),
-               (0.0, WARM_SEGMENTS - 2, LATER_ANSWER_STEPS))
+    joiners = (
+        (0.0, WARM_SEGMENTS, FIRST_ANSWER_STEPS),
+        (0.7, WARM_SEGMENTS - 1, LATER_ANSWER_STEPS),
+        (0.0, WARM_SEGMENTS - 2, LATER_ANSWER_STEPS),
+    )
     rows = []
     for temperature, segments, budget in joiners:
         seq = _made_up_sequence(loaded, temperature, budget + 1)
@@ -159,8 +162,9 @@ def _steps(decoder: BatchDecoder, count: int) -> None:
 
 
 def _made_up_sequence(loaded: LoadedModel, temperature: float, max_tokens: int) -> SequenceState:
-    params = parse_generate({"prompt": WARM_UP_TEXT, "max_tokens": max_tokens, "temperature": temperature,
-                             "stream": False})
+    params = parse_generate(
+        {"prompt": WARM_UP_TEXT, "max_tokens": max_tokens, "temperature": temperature, "stream": False}
+    )
     return make_sequence(GenerateJob("warm-up", None, params, emit=lambda kind, payload: None), loaded)
 
 

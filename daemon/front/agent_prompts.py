@@ -61,9 +61,15 @@ class PromptNormalizer:
             return system, []
         self.counts[ANTHROPIC_BILLING_HEADER] += 1
         if self.first_time(client, ANTHROPIC_BILLING_HEADER):
-            log.info("prompt_normalized", what=ANTHROPIC_BILLING_HEADER, client_agent=client, removed=line,
-                     reason="it changes from task to task and tells the model nothing; kept, it would stop the "
-                            "prefix cache a few tokens in", hint="--keep-billing-header keeps it")
+            log.info(
+                "prompt_normalized",
+                what=ANTHROPIC_BILLING_HEADER,
+                client_agent=client,
+                removed=line,
+                reason="it changes from task to task and tells the model nothing; kept, it would stop the "
+                "prefix cache a few tokens in",
+                hint="--keep-billing-header keeps it",
+            )
         return stripped, [ANTHROPIC_BILLING_HEADER]
 
     def first_time(self, client: str, what: str) -> bool:

@@ -29,7 +29,9 @@ from .http_errors import anthropic_body, anthropic_error, invalid, reject_unknow
 from .http_jobs import CLIENT_KEY, LazyStream, RunningJob, compact_json, handlers_of, json_object, result_in_stream
 
 NORMALIZER_KEY = web.AppKey("prompt_normalizer", PromptNormalizer)
-TEMPLATE_REJECTED = "the chat template rejected the messages"  # prompt_encoding's INVALID_PARAMS for a template that raised
+TEMPLATE_REJECTED = (
+    "the chat template rejected the messages"  # prompt_encoding's INVALID_PARAMS for a template that raised
+)
 SYSTEM_ROLE_REFUSED = "role 'system' is not supported on this model"  # Anthropic's wording, which Claude Code acts on
 
 log = structlog.get_logger("prefixd.http")
@@ -51,8 +53,12 @@ def _sender(request: web.Request) -> str:
 
 def _parse(request: web.Request, body: dict[str, Any]) -> MessagesRequest:
     normalizer, sender = request.app[NORMALIZER_KEY], _sender(request)
-    parsed = messages_request(body, handlers_of(request).engine.default_model or "", request.headers.get("anthropic-beta"),
-                              lambda system: normalizer.anthropic_system(system, sender))
+    parsed = messages_request(
+        body,
+        handlers_of(request).engine.default_model or "",
+        request.headers.get("anthropic-beta"),
+        lambda system: normalizer.anthropic_system(system, sender),
+    )
     if parsed.notes:
         fields = sorted({note.split(" ", 1)[0].rstrip(":") for note in parsed.notes})
         if normalizer.first_time(sender, "notes:" + ",".join(fields)):
@@ -66,9 +72,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
     try:
         return await _answer(request, body, parsed)
     except RpcError as err:
-        if parsed.system_in_messages and err.code == ErrorCode.INVALID_PARAMS and err.message.startswith(TEMPLATE_REJECTED):
-            raise invalid(f"{SYSTEM_ROLE_REFUSED}: the model's chat template takes system text only where it puts the "
-                          f"system prompt ({err.message})", "messages") from None
+        if (
+            parsed.system_in_messages
+            and err.code == ErrorCode.INVALID_PARAMS
+            and err.message.startswith(TEMPLATE_REJECTED)
+        ):
+            raise invalid(
+                f"{SYSTEM_ROLE_REFUSED}: the model's chat template takes system text only where it puts the "
+                f"system prompt ({err.message})",
+                "messages",
+            ) from None
         raise
 
 

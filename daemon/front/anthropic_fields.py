@@ -33,15 +33,20 @@ SERVICE_TIERS = ("auto", "standard_only")
 def hint_notes(body: dict[str, Any], beta_header: str | None) -> list[str]:
     """Notes on the hints of ``body`` (and the ``anthropic-beta`` header) accepted without effect; a 400 for the rest."""
     notes = []
-    for name, check in (("thinking", _thinking), ("context_management", _context_management),
-                        ("service_tier", _service_tier)):
+    for name, check in (
+        ("thinking", _thinking),
+        ("context_management", _context_management),
+        ("service_tier", _service_tier),
+    ):
         if body.get(name) is not None:
             notes += check(body[name])
     if body.get("output_config") is not None:
         notes += _output_config_effort(_object(body["output_config"], "output_config"), "output_config")
     if beta_header:
-        notes.append(f"anthropic-beta ({beta_header}): a beta switches on features through their own fields, "
-                     "which prefixd checks one by one; the header itself changes nothing here")
+        notes.append(
+            f"anthropic-beta ({beta_header}): a beta switches on features through their own fields, "
+            "which prefixd checks one by one; the header itself changes nothing here"
+        )
     return notes
 
 
@@ -70,13 +75,17 @@ def _thinking(thinking: Any) -> list[str]:
     reject_unknown(_object(thinking, "thinking"), THINKING_FIELDS, "thinking")
     kind = thinking.get("type")
     if kind not in THINKING_TYPES:
-        raise invalid("'thinking.type' must be \"enabled\", \"adaptive\" or \"disabled\"", "thinking.type")
-    if kind == "enabled" and (not isinstance(thinking.get("budget_tokens"), int) or isinstance(thinking.get("budget_tokens"), bool)):
+        raise invalid('\'thinking.type\' must be "enabled", "adaptive" or "disabled"', "thinking.type")
+    if kind == "enabled" and (
+        not isinstance(thinking.get("budget_tokens"), int) or isinstance(thinking.get("budget_tokens"), bool)
+    ):
         raise invalid("'thinking.budget_tokens' must be an integer with type \"enabled\"", "thinking.budget_tokens")
     if kind == "disabled":
         return []
-    return [f"thinking ({kind}): prefixd's models have no separate thinking phase to switch on; the model answers "
-            "as it always does and the reply has no thinking blocks"]
+    return [
+        f"thinking ({kind}): prefixd's models have no separate thinking phase to switch on; the model answers "
+        "as it always does and the reply has no thinking blocks"
+    ]
 
 
 def _context_management(config: Any) -> list[str]:
@@ -90,18 +99,29 @@ def _context_management(config: Any) -> list[str]:
         kind = edit.get("type") if isinstance(edit, dict) else None
         if kind not in NO_EFFECT_EDITS:
             place = f"context_management.edits[{index}].type"
-            raise invalid(f"'{place}' {kind!r} is not supported: prefixd does not edit the conversation (that would "
-                          "change what the model reads); send it as the model should read it", place)
-    return [f"context_management ({', '.join(edit['type'] for edit in edits)}): nothing to clear, prefixd "
-            "writes no thinking blocks"] if edits else []
+            raise invalid(
+                f"'{place}' {kind!r} is not supported: prefixd does not edit the conversation (that would "
+                "change what the model reads); send it as the model should read it",
+                place,
+            )
+    return (
+        [
+            f"context_management ({', '.join(edit['type'] for edit in edits)}): nothing to clear, prefixd "
+            "writes no thinking blocks"
+        ]
+        if edits
+        else []
+    )
 
 
 def _output_config_effort(config: dict[str, Any], where: str) -> list[str]:
     # Effort tunes how many tokens Claude spends; a model without that control answers as it would at any effort.
     if "task_budget" in config:
         # Anthropic shows the model a countdown of the budget: a change to what it reads, which prefixd does not make.
-        raise invalid(f"'{where}.task_budget' is not supported: the model would see a countdown prefixd does not "
-                      "write", f"{where}.task_budget")
+        raise invalid(
+            f"'{where}.task_budget' is not supported: the model would see a countdown prefixd does not write",
+            f"{where}.task_budget",
+        )
     effort = config.get("effort")
     if effort is None:
         return []

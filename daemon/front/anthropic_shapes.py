@@ -37,11 +37,36 @@ from .field_kinds import check_field_kinds
 from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
-MESSAGE_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                  "top_k", "metadata", "tools", "tool_choice", "thinking", "cache_control", "context_management",
-                  "output_config", "service_tier")
-COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "context_management",
-                "output_config")
+MESSAGE_FIELDS = (
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "cache_control",
+    "context_management",
+    "output_config",
+    "service_tier",
+)
+COUNT_FIELDS = (
+    "model",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "cache_control",
+    "context_management",
+    "output_config",
+)
 TEXT_BLOCK_FIELDS = ("type", "text", "cache_control", "citations")
 ROLES = ("user", "assistant", "system")
 _STOP_REASONS = {m.FINISH_STOP: "end_turn", m.FINISH_LENGTH: "max_tokens", FINISH_TOOL_CALLS: "tool_use"}
@@ -63,8 +88,9 @@ class MessagesRequest:
     system_in_messages: bool = False  # a system-role message inside 'messages'
 
 
-def messages_request(body: dict[str, Any], default_model: str, beta_header: str | None = None,
-                     normalize_system: NormalizeSystem = _as_is) -> MessagesRequest:
+def messages_request(
+    body: dict[str, Any], default_model: str, beta_header: str | None = None, normalize_system: NormalizeSystem = _as_is
+) -> MessagesRequest:
     reject_unknown(body, MESSAGE_FIELDS)
     check_field_kinds(body)
     notes = hint_notes(body, beta_header)
@@ -85,14 +111,25 @@ def messages_request(body: dict[str, Any], default_model: str, beta_header: str 
         generate["model"] = body["model"]
     if (constraint := output_constraint(body)) is not None:
         generate["constraint"] = constraint
-    notes += check_sampling_extras({"top_k": body.get("top_k")}, request_fields.temperature(body.get("temperature"), "temperature"))
+    notes += check_sampling_extras(
+        {"top_k": body.get("top_k")}, request_fields.temperature(body.get("temperature"), "temperature")
+    )
     params = m.parse_generate(generate)
-    return MessagesRequest(params, params.model or default_model, notes, normalized,
-                           any(message["role"] == "system" for message in messages[1:]))
+    return MessagesRequest(
+        params,
+        params.model or default_model,
+        notes,
+        normalized,
+        any(message["role"] == "system" for message in messages[1:]),
+    )
 
 
-def prompt_messages(body: dict[str, Any], notes: list[str], normalize_system: NormalizeSystem = _as_is,
-                    normalized: list[str] | None = None) -> list[dict[str, Any]]:
+def prompt_messages(
+    body: dict[str, Any],
+    notes: list[str],
+    normalize_system: NormalizeSystem = _as_is,
+    normalized: list[str] | None = None,
+) -> list[dict[str, Any]]:
     """The chat as prefixd's messages: the system prompt first, then the turns (tool blocks as tool calls and results).
 
     ``normalize_system`` may take parts out of the top-level system prompt
@@ -117,8 +154,10 @@ def prompt_messages(body: dict[str, Any], notes: list[str], normalize_system: No
             raise invalid(f"{where} must be an object with 'role' and 'content'", "messages")
         role = message.get("role")
         if role not in ROLES:
-            raise invalid(f"'{where}.role' must be \"user\", \"assistant\" or \"system\"", f"{where}.role")
-        reject_unknown(message, ("role", "content", "output_config") if role == "system" else ("role", "content"), where)
+            raise invalid(f'\'{where}.role\' must be "user", "assistant" or "system"', f"{where}.role")
+        reject_unknown(
+            message, ("role", "content", "output_config") if role == "system" else ("role", "content"), where
+        )
         content, text_of = message.get("content"), lambda blocks, place: _text_of(blocks, place, notes)
         if role == "system":
             notes += system_message_notes(message, where)
@@ -130,8 +169,10 @@ def prompt_messages(body: dict[str, Any], notes: list[str], normalize_system: No
         else:
             messages.append({"role": role, "content": text_of(content, f"{where}.content")})
     if messages[-1]["role"] == "assistant":
-        raise invalid("a last assistant message (prefilling the answer) is not supported yet; end with a user message",
-                      f"messages[{len(raw) - 1}]")
+        raise invalid(
+            "a last assistant message (prefilling the answer) is not supported yet; end with a user message",
+            f"messages[{len(raw) - 1}]",
+        )
     return messages
 
 
@@ -170,13 +211,21 @@ class MessagesReply:
 
     @staticmethod
     def stop_reason(result: dict[str, Any]) -> str:
-        return "stop_sequence" if result.get("stop") is not None else _STOP_REASONS.get(result["finish_reason"], "end_turn")
+        return (
+            "stop_sequence"
+            if result.get("stop") is not None
+            else _STOP_REASONS.get(result["finish_reason"], "end_turn")
+        )
 
     @staticmethod
     def usage(result: dict[str, Any]) -> dict[str, Any]:
         cache = result["cache"]
-        return {"input_tokens": cache["prefilled_tokens"], "output_tokens": result["usage"]["completion_tokens"],
-                "cache_read_input_tokens": cache["reused_tokens"], "cache_creation_input_tokens": 0}
+        return {
+            "input_tokens": cache["prefilled_tokens"],
+            "output_tokens": result["usage"]["completion_tokens"],
+            "cache_read_input_tokens": cache["reused_tokens"],
+            "cache_creation_input_tokens": 0,
+        }
 
     def _extras(self, result: dict[str, Any]) -> dict[str, Any]:
         cache = {**result["cache"], "normalized": self.normalized} if self.normalized else result["cache"]
@@ -186,29 +235,58 @@ class MessagesReply:
     def message(self, result: dict[str, Any], text: str) -> dict[str, Any]:
         calls = result.get("tool_calls") or []
         content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(call) for call in calls]
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content,
-                "stop_reason": self.stop_reason(result), "stop_sequence": result.get("stop"),
-                "usage": self.usage(result), **self._extras(result)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": self.stop_reason(result),
+            "stop_sequence": result.get("stop"),
+            "usage": self.usage(result),
+            **self._extras(result),
+        }
 
     # streamed: message_start, content_block_start, content_block_delta..., content_block_stop, message_delta, message_stop
 
     def start_events(self, prompt_tokens: int) -> list[dict[str, Any]]:
         # The split into computed and cached tokens is known only at the end (message_delta's usage):
         # message_start counts the whole prompt as input.
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+        message = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        }
         self._num_blocks, self._text_open = 1, True
-        return [{"type": "message_start", "message": message},
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
+        return [
+            {"type": "message_start", "message": message},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ]
 
     def text_events(self, text: str) -> list[dict[str, Any]]:
         """A piece of text: in the open text block, or in a new one after a tool_use block."""
         events = []
         if not self._text_open:
-            events.append({"type": "content_block_start", "index": self._num_blocks, "content_block": {"type": "text", "text": ""}})
+            events.append(
+                {
+                    "type": "content_block_start",
+                    "index": self._num_blocks,
+                    "content_block": {"type": "text", "text": ""},
+                }
+            )
             self._num_blocks, self._text_open = self._num_blocks + 1, True
-        return events + [{"type": "content_block_delta", "index": self._num_blocks - 1, "delta": {"type": "text_delta", "text": text}}]
+        return events + [
+            {
+                "type": "content_block_delta",
+                "index": self._num_blocks - 1,
+                "delta": {"type": "text_delta", "text": text},
+            }
+        ]
 
     def tool_use_events(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         """A whole tool call (prefixd's call map) as its own block: start, its input as one input_json_delta, stop."""
@@ -216,14 +294,23 @@ class MessagesReply:
         index = self._num_blocks
         self._num_blocks += 1
         block = {**_tool_use(call), "input": {}}  # Anthropic starts a tool_use with empty input, then streams it
-        return events + [{"type": "content_block_start", "index": index, "content_block": block},
-                         {"type": "content_block_delta", "index": index,
-                          "delta": {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}},
-                         {"type": "content_block_stop", "index": index}]
+        return events + [
+            {"type": "content_block_start", "index": index, "content_block": block},
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": call["function"]["arguments"]},
+            },
+            {"type": "content_block_stop", "index": index},
+        ]
 
     def end_events(self, result: dict[str, Any]) -> list[dict[str, Any]]:
-        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(result), "stop_sequence": result.get("stop")},
-                 "usage": self.usage(result), **self._extras(result)}
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self.stop_reason(result), "stop_sequence": result.get("stop")},
+            "usage": self.usage(result),
+            **self._extras(result),
+        }
         return self._close_text() + [delta, {"type": "message_stop"}]
 
     def _close_text(self) -> list[dict[str, Any]]:
@@ -235,5 +322,9 @@ class MessagesReply:
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """A call map of prefixd's (arguments as JSON text) as an Anthropic tool_use block (input as an object)."""
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"])}
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"]),
+    }

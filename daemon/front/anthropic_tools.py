@@ -50,8 +50,11 @@ def _tool(index: int, tool: Any, notes: list[str]) -> dict[str, Any]:
     if not isinstance(tool, dict):
         raise invalid(f"'{where}' must be an object {{name, description?, input_schema}}", where)
     if tool.get("type") not in (None, "custom"):
-        raise invalid(f"'{where}.type' {tool['type']!r}: server tools run on Anthropic's side; prefixd has only "
-                      "client tools ({name, description?, input_schema})", f"{where}.type")
+        raise invalid(
+            f"'{where}.type' {tool['type']!r}: server tools run on Anthropic's side; prefixd has only "
+            "client tools ({name, description?, input_schema})",
+            f"{where}.type",
+        )
     reject_unknown(tool, TOOL_FIELDS, where)
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
@@ -66,13 +69,16 @@ def _tool(index: int, tool: Any, notes: list[str]) -> dict[str, Any]:
 
 def _tool_choice(choice: Any) -> Any:
     if not isinstance(choice, dict):
-        raise invalid("'tool_choice' must be {type: \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
+        raise invalid('\'tool_choice\' must be {type: "auto" | "any" | "tool" | "none"}', "tool_choice")
     reject_unknown(choice, TOOL_CHOICE_FIELDS, "tool_choice")
     kind = choice.get("type")
     if choice.get("disable_parallel_tool_use") and kind == "auto":
         # A forced call ("any", "tool") is always exactly one; under "auto" the model writes as many as it likes.
-        raise invalid("'tool_choice.disable_parallel_tool_use' is honoured only with type \"any\" or \"tool\" "
-                      "(prefixd forces exactly one call then)", "tool_choice.disable_parallel_tool_use")
+        raise invalid(
+            '\'tool_choice.disable_parallel_tool_use\' is honoured only with type "any" or "tool" '
+            "(prefixd forces exactly one call then)",
+            "tool_choice.disable_parallel_tool_use",
+        )
     if kind == "auto":
         return AUTO
     if kind == "any":
@@ -83,12 +89,13 @@ def _tool_choice(choice: Any) -> Any:
         if not isinstance(choice.get("name"), str):
             raise invalid("'tool_choice.name' must name one of 'tools'", "tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise invalid("'tool_choice.type' must be \"auto\", \"any\", \"tool\" or \"none\"", "tool_choice.type")
+    raise invalid('\'tool_choice.type\' must be "auto", "any", "tool" or "none"', "tool_choice.type")
 
 
 def has_tool_blocks(content: Any) -> bool:
-    return isinstance(content, list) and any(isinstance(block, dict) and block.get("type") in TOOL_BLOCKS
-                                             for block in content)
+    return isinstance(content, list) and any(
+        isinstance(block, dict) and block.get("type") in TOOL_BLOCKS for block in content
+    )
 
 
 def assistant_message(content: list[Any], where: str, text_of: TextOf, notes: list[str]) -> dict[str, Any]:
@@ -103,8 +110,13 @@ def assistant_message(content: list[Any], where: str, text_of: TextOf, notes: li
             _note_cache_control(block, notes)
             if not isinstance(block.get("id"), str) or not isinstance(block.get("input"), dict):
                 raise invalid(f"'{place}' must be {{type: \"tool_use\", id, name, input: object}}", place)
-            calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block.get("name"), "arguments": block["input"]}})
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": block["input"]},
+                }
+            )
         else:
             texts.append(text_of([block], place))
     return {"role": "assistant", "content": "".join(texts), "tool_calls": calls}
@@ -121,11 +133,15 @@ def user_messages(content: list[Any], where: str, text_of: TextOf, notes: list[s
             reject_unknown(block, TOOL_RESULT_FIELDS, place)
             _note_cache_control(block, notes)
             if not isinstance(block.get("tool_use_id"), str):
-                raise invalid(f"'{place}.tool_use_id' must be the id of the tool_use it answers", f"{place}.tool_use_id")
+                raise invalid(
+                    f"'{place}.tool_use_id' must be the id of the tool_use it answers", f"{place}.tool_use_id"
+                )
             text = text_of(block.get("content") or "", f"{place}.content")
             if block.get("is_error"):
                 text = ERROR_PREFIX + text
-                _note_once(notes, f"tool_result.is_error: the result reaches the model as text starting {ERROR_PREFIX!r}")
+                _note_once(
+                    notes, f"tool_result.is_error: the result reaches the model as text starting {ERROR_PREFIX!r}"
+                )
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
             texts.append(text_of([block], place))

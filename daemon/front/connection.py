@@ -128,8 +128,13 @@ class Connection:
         self._outbox_filled.set()
 
     def _drop_slow_reader(self, num_queued_bytes: int) -> None:
-        log.warning("client_too_slow", client=self.client_id, queued_bytes=num_queued_bytes,
-                    limit_bytes=self.max_outbox_bytes, cancelled_requests=len(self.jobs))
+        log.warning(
+            "client_too_slow",
+            client=self.client_id,
+            queued_bytes=num_queued_bytes,
+            limit_bytes=self.max_outbox_bytes,
+            cancelled_requests=len(self.jobs),
+        )
         self._close_reason = "too_slow"
         self.closed.set()  # send() drops everything from now on
         self.cancel_all()
@@ -170,7 +175,13 @@ class Connection:
                 except Exception as exc:  # a decoder bug: the stream's position is lost, but the client hears why
                     reason = "decoder_failed"
                     log.exception("client_decoder_failed", client=self.client_id)
-                    self.send(Response(None, RpcError(ErrorCode.INTERNAL, f"internal error decoding the stream: {exc!r}").to_wire(), None))
+                    self.send(
+                        Response(
+                            None,
+                            RpcError(ErrorCode.INTERNAL, f"internal error decoding the stream: {exc!r}").to_wire(),
+                            None,
+                        )
+                    )
                     break
         except (ConnectionError, OSError):
             reason = "connection_error"
@@ -191,8 +202,12 @@ class Connection:
             log.debug("client_notification_ignored", client=self.client_id, method=item.method)
         elif isinstance(item, Response):
             # The daemon sends no requests, so no response from a client answers anything.
-            log.warning("client_response_ignored", client=self.client_id, msgid=item.msgid,
-                        reason="the daemon sends no requests; a response from a client answers nothing")
+            log.warning(
+                "client_response_ignored",
+                client=self.client_id,
+                msgid=item.msgid,
+                reason="the daemon sends no requests; a response from a client answers nothing",
+            )
 
     async def _answer(self, request: Request) -> None:
         # Every log line of this request names the peer.
@@ -203,7 +218,11 @@ class Connection:
         except RpcError as err:
             self.send(Response(request.msgid, err.to_wire(), None))
         except asyncio.CancelledError:
-            self.send(Response(request.msgid, RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down").to_wire(), None))
+            self.send(
+                Response(
+                    request.msgid, RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down").to_wire(), None
+                )
+            )
             raise
         except Exception as exc:
             log.exception("handler_failed", client=self.client_id, method=request.method)
@@ -256,4 +275,3 @@ class Connection:
     def abort(self) -> None:
         """Drop the connection now, unsent replies included (a client that did not read them in time)."""
         self.writer.transport.abort()
-

@@ -23,28 +23,92 @@ STRING, ARRAY, OBJECT = "a string", "an array", "an object"
 
 FIELD_KINDS: dict[str, tuple[str, ...]] = {
     # sampling and length
-    **dict.fromkeys(("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
-                     "frequency_penalty", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier",
-                     "dry_base", "xtc_probability", "xtc_threshold", "t_max_prompt_ms", "t_max_predict_ms",
-                     "n_indent"), (NUMBER,)),
-    **dict.fromkeys(("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of", "seed", "top_k",
-                     "top_logprobs", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "min_keep",
-                     "n_predict", "n_keep", "id_slot", "num_predict"), (INTEGER,)),
+    **dict.fromkeys(
+        (
+            "temperature",
+            "top_p",
+            "min_p",
+            "typical_p",
+            "repeat_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "tfs_z",
+            "mirostat",
+            "mirostat_tau",
+            "mirostat_eta",
+            "dry_multiplier",
+            "dry_base",
+            "xtc_probability",
+            "xtc_threshold",
+            "t_max_prompt_ms",
+            "t_max_predict_ms",
+            "n_indent",
+        ),
+        (NUMBER,),
+    ),
+    **dict.fromkeys(
+        (
+            "max_tokens",
+            "max_completion_tokens",
+            "max_output_tokens",
+            "n",
+            "best_of",
+            "seed",
+            "top_k",
+            "top_logprobs",
+            "repeat_last_n",
+            "dry_allowed_length",
+            "dry_penalty_last_n",
+            "min_keep",
+            "n_predict",
+            "n_keep",
+            "id_slot",
+            "num_predict",
+        ),
+        (INTEGER,),
+    ),
     "stop": (STRING, ARRAY),
     "stop_sequences": (ARRAY,),  # Anthropic's: an array only
     # switches
-    **dict.fromkeys(("stream", "store", "echo", "parallel_tool_calls", "cache_prompt", "penalize_newline",
-                     "penalize_nl", "raw", "timings_per_token", "return_tokens"), (BOOLEAN,)),
+    **dict.fromkeys(
+        (
+            "stream",
+            "store",
+            "echo",
+            "parallel_tool_calls",
+            "cache_prompt",
+            "penalize_newline",
+            "penalize_nl",
+            "raw",
+            "timings_per_token",
+            "return_tokens",
+        ),
+        (BOOLEAN,),
+    ),
     # labels and prefixd's own
-    **dict.fromkeys(("model", "user", "session", "service_tier", "prompt_cache_key", "safety_identifier",
-                     "prompt_cache_retention", "previous_response_id", "suffix"), (STRING,)),
+    **dict.fromkeys(
+        (
+            "model",
+            "user",
+            "session",
+            "service_tier",
+            "prompt_cache_key",
+            "safety_identifier",
+            "prompt_cache_retention",
+            "previous_response_id",
+            "suffix",
+        ),
+        (STRING,),
+    ),
     **dict.fromkeys(("stream_options", "metadata", "cache", "options"), (OBJECT,)),
     "samplers": (STRING, ARRAY),  # llama.cpp takes a string of letters too
     "keep_alive": (STRING, NUMBER),  # Ollama's duration ("5m") or seconds
     # Ollama's options that tune the runtime, never the tokens
     **dict.fromkeys(("num_ctx", "num_keep", "num_thread", "num_gpu", "main_gpu", "num_batch"), (INTEGER,)),
-    **dict.fromkeys(("use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all",
-                     "embedding_only"), (BOOLEAN,)),
+    **dict.fromkeys(
+        ("use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all", "embedding_only"),
+        (BOOLEAN,),
+    ),
 }
 
 

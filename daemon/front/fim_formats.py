@@ -46,7 +46,9 @@ class FimFormat:
         if with_files and self.repo_name:
             parts.append(f"{self.repo_name}{REPO_NAME}\n")
         for filename, text in extra:
-            parts.append(f"{self.file_separator}{filename}\n{text}" if self.file_separator else f"{SNIPPET_SEPARATOR}{text}")
+            parts.append(
+                f"{self.file_separator}{filename}\n{text}" if self.file_separator else f"{SNIPPET_SEPARATOR}{text}"
+            )
         if with_files and self.file_separator:
             parts.append(f"{self.file_separator}{CURRENT_FILE}\n")
         parts.append(f"{self.prefix}{prefix}{self.suffix}{suffix}{self.middle}")
@@ -54,12 +56,33 @@ class FimFormat:
 
 
 _KNOWN = (
-    FimFormat("fim-pipes", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", None, "<|repo_name|>",
-              ("<|fim_pad|>", "<|endoftext|>", "<|file_sep|>", "<|file_separator|>", "<|fim_prefix|>")),
-    FimFormat("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<repo_name>",
-              ("<|endoftext|>", "<file_sep>", "<fim_pad>", "<fim_prefix>")),
-    FimFormat("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None,
-              ("<｜end▁of▁sentence｜>", "<|EOT|>")),
+    FimFormat(
+        "fim-pipes",
+        "<|fim_prefix|>",
+        "<|fim_suffix|>",
+        "<|fim_middle|>",
+        None,
+        "<|repo_name|>",
+        ("<|fim_pad|>", "<|endoftext|>", "<|file_sep|>", "<|file_separator|>", "<|fim_prefix|>"),
+    ),
+    FimFormat(
+        "starcoder",
+        "<fim_prefix>",
+        "<fim_suffix>",
+        "<fim_middle>",
+        "<file_sep>",
+        "<repo_name>",
+        ("<|endoftext|>", "<file_sep>", "<fim_pad>", "<fim_prefix>"),
+    ),
+    FimFormat(
+        "deepseek",
+        "<｜fim▁begin｜>",
+        "<｜fim▁hole｜>",
+        "<｜fim▁end｜>",
+        None,
+        None,
+        ("<｜end▁of▁sentence｜>", "<|EOT|>"),
+    ),
 )
 _PIPE_SEPARATORS = ("<|file_sep|>", "<|file_separator|>")  # Qwen2.5-Coder's and CodeGemma's
 
@@ -72,7 +95,13 @@ def detect_fim_format(special_tokens: Iterable[str]) -> FimFormat | None:
             separator = known.file_separator if known.file_separator in tokens else None
             if known.name == "fim-pipes":
                 separator = next((s for s in _PIPE_SEPARATORS if s in tokens), None)
-            return FimFormat(known.name, known.prefix, known.suffix, known.middle, separator,
-                             known.repo_name if known.repo_name in tokens else None,
-                             tuple(s for s in known.stops if s in tokens))
+            return FimFormat(
+                known.name,
+                known.prefix,
+                known.suffix,
+                known.middle,
+                separator,
+                known.repo_name if known.repo_name in tokens else None,
+                tuple(s for s in known.stops if s in tokens),
+            )
     return None

@@ -34,8 +34,18 @@ JobObserver = Callable[[GenerateJob, "dict | RpcError"], None]
 
 log = structlog.get_logger("prefixd.request")
 DAEMON_VERSION = "0.1.0"
-CAPABILITIES = ("stream", "cancel", "prefix-cache", "messages", "tokens", "cache.warm", "cache.pin", "cache.verify",
-                "constraint", "tools")
+CAPABILITIES = (
+    "stream",
+    "cancel",
+    "prefix-cache",
+    "messages",
+    "tokens",
+    "cache.warm",
+    "cache.pin",
+    "cache.verify",
+    "constraint",
+    "tools",
+)
 
 
 class Handlers:
@@ -66,7 +76,9 @@ class Handlers:
     async def __call__(self, conn: Connection, request: Request) -> Any:
         handler = self._table.get(request.method)
         if handler is None:
-            raise RpcError(ErrorCode.METHOD_NOT_FOUND, f"unknown method {request.method!r}; methods: {', '.join(m.METHODS)}")
+            raise RpcError(
+                ErrorCode.METHOD_NOT_FOUND, f"unknown method {request.method!r}; methods: {', '.join(m.METHODS)}"
+            )
         return await handler(conn, request.msgid, m.single_map_param(request.params))
 
     # -- cheap methods, answered on the event loop -----------------------------------
@@ -100,7 +112,11 @@ class Handlers:
 
     async def stats(self, conn: Connection, msgid: int, params: dict) -> dict:
         stats = await self.engine.call(self.engine.controls.stats)
-        return {"uptime_s": round(time.time() - self.started_at, 3), **stats, "prompts_normalized": dict(self.prompts_normalized)}
+        return {
+            "uptime_s": round(time.time() - self.started_at, 3),
+            **stats,
+            "prompts_normalized": dict(self.prompts_normalized),
+        }
 
     async def tokenize(self, conn: Connection, msgid: int, params: dict) -> dict:
         prompt, model = m.parse_prompt_request(params)
@@ -223,8 +239,7 @@ class Handlers:
         when the request has tools (a forced call's grammar is then the job's
         constraint).
         """
-        card, job.encoded = await self.intake.encode(job.params.model, job.params.prompt,
-                                                     generates=not job.warm_only)
+        card, job.encoded = await self.intake.encode(job.params.model, job.params.prompt, generates=not job.warm_only)
         reader = None
         if not job.warm_only:
             job.params, reader = await self.tool_calls.prepare(job.params, card, job.msgid)

@@ -117,12 +117,23 @@ class GuardedConnection(asyncio.Protocol):
                 self._enter(Phase.IDLE)
                 return
             expected = self._request.content_length if self._request is not None else None
-            log.warning("http_read_timeout", **self.peer, missing="body", received_bytes=content.total_bytes,
-                        expected_bytes=expected, timeout_s=self.body_timeout)
+            log.warning(
+                "http_read_timeout",
+                **self.peer,
+                missing="body",
+                received_bytes=content.total_bytes,
+                expected_bytes=expected,
+                timeout_s=self.body_timeout,
+            )
         else:
             missing = "headers" if self._request_line_ended else "request line"
-            log.warning("http_read_timeout", **self.peer, missing=missing, received_bytes=self._num_head_bytes,
-                        timeout_s=self.header_timeout)
+            log.warning(
+                "http_read_timeout",
+                **self.peer,
+                missing=missing,
+                received_bytes=self._num_head_bytes,
+                timeout_s=self.header_timeout,
+            )
         self.transport.close()
 
     # -- asyncio.Protocol: everything goes on to aiohttp --------------------------------------
@@ -203,8 +214,13 @@ class ClientFaultLog:
         return getattr(self.inner, name)
 
     def _malformed(self, exc: HttpProcessingError) -> None:
-        log.warning("http_malformed_request", **self.peer, status=exc.code, kind=type(exc).__name__,
-                    error=" ".join(str(exc.message).split()))
+        log.warning(
+            "http_malformed_request",
+            **self.peer,
+            status=exc.code,
+            kind=type(exc).__name__,
+            error=" ".join(str(exc.message).split()),
+        )
 
 
 def client_fault(exc: Any) -> HttpProcessingError | None:

@@ -31,8 +31,15 @@ _HTTP_ERRORS: dict[int, tuple[int, str, str | None]] = {
 }
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def invalid(message: str, param: str | None = None) -> RpcError:
@@ -46,7 +53,9 @@ def reject_unknown(body: dict[str, Any], allowed: Iterable[str], where: str = ""
     unknown = sorted(str(key) for key in body if key not in allowed)
     if unknown:
         name = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise invalid(f"'{name}' is not supported by prefixd" + (f" (nor: {', '.join(unknown[1:])})" if unknown[1:] else ""), name)
+        raise invalid(
+            f"'{name}' is not supported by prefixd" + (f" (nor: {', '.join(unknown[1:])})" if unknown[1:] else ""), name
+        )
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,10 @@ def anthropic_error(err: RpcError) -> HttpError:
     if err.code != ErrorCode.PROMPT_TOO_LONG or not {"prompt_tokens", "context_length"} <= data.keys():
         return error
     size = f"at least {data['prompt_tokens']}" if "at least" in err.message else str(data["prompt_tokens"])
-    message = (f"prompt is too long: {size} tokens > {data['context_length'] - 1} maximum "
-               f"(a context of {data['context_length']} tokens, one kept for the answer)")
+    message = (
+        f"prompt is too long: {size} tokens > {data['context_length'] - 1} maximum "
+        f"(a context of {data['context_length']} tokens, one kept for the answer)"
+    )
     return HttpError(400, message, "invalid_request_error", "context_length_exceeded", None, err.code)
 
 

@@ -50,8 +50,14 @@ from ..engine.jobs import GenerateJob
 from . import anthropic_api, http_errors, infill_api, metrics, ollama_api, openai_api, responses_api, router_api
 from .agent_prompts import PromptNormalizer
 from .handlers import Handlers
-from .http_connection import (BODY_TIMEOUT_SECONDS, HEADER_TIMEOUT_SECONDS, KEEPALIVE_TIMEOUT_SECONDS, GuardedConnection,
-                              client_fault, guard_of)
+from .http_connection import (
+    BODY_TIMEOUT_SECONDS,
+    HEADER_TIMEOUT_SECONDS,
+    KEEPALIVE_TIMEOUT_SECONDS,
+    GuardedConnection,
+    client_fault,
+    guard_of,
+)
 from .http_jobs import CLIENT_KEY, FRONT_KEY, HANDLERS_KEY, LANE_KEY
 from .http_options import DEFAULT_MAX_OUTPUT_TOKENS, is_loopback
 from .listener import SocketFile, bind_unix_socket
@@ -64,10 +70,22 @@ log = structlog.get_logger("prefixd.http")
 class HttpFront:
     """The running HTTP front: its addresses, its jobs, and ``cleanup()`` to stop it."""
 
-    def __init__(self, app: web.Application, unix_path: Path | None, token: str | None, peer_policy: PeerPolicy,
-                 shutdown_timeout: float, keepalive_timeout: float):
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout,
-                                    keepalive_timeout=keepalive_timeout)
+    def __init__(
+        self,
+        app: web.Application,
+        unix_path: Path | None,
+        token: str | None,
+        peer_policy: PeerPolicy,
+        shutdown_timeout: float,
+        keepalive_timeout: float,
+    ):
+        self.runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout,
+            keepalive_timeout=keepalive_timeout,
+        )
         self.servers: list[asyncio.AbstractServer] = []  # listening; connections go to self.runner.server
         self.unix_path = unix_path
         self.socket_file: SocketFile | None = None  # what we bound at unix_path, the one file cleanup removes
@@ -165,8 +183,14 @@ async def start_http_front(
     except BaseException:
         await front.cleanup()
         raise
-    log.info("http_started", addresses=[str(a) for a in front.addresses], token=bool(token),
-             header_timeout_s=header_timeout, body_timeout_s=body_timeout, keepalive_timeout_s=keepalive_timeout)
+    log.info(
+        "http_started",
+        addresses=[str(a) for a in front.addresses],
+        token=bool(token),
+        header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout,
+        keepalive_timeout_s=keepalive_timeout,
+    )
     return front
 
 
@@ -174,7 +198,9 @@ async def start_http_front(
 
 
 @web.middleware
-async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def _errors_and_auth(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     guard = guard_of(request)
     if guard is not None:
         guard.head_arrived(request)  # the body's deadline starts
@@ -185,8 +211,11 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
             guard.reply_done()  # the next request on this connection gets its own time
 
 
-async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                  guard: GuardedConnection | None) -> web.StreamResponse:
+async def _answer(
+    request: web.Request,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    guard: GuardedConnection | None,
+) -> web.StreamResponse:
     front: HttpFront = request.app[FRONT_KEY]
     sock = request.transport.get_extra_info("socket") if request.transport else None
     peer = peer_credentials(sock)
@@ -200,12 +229,21 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
     if (refusal := front.peer_policy.refusal(peer)) is not None:
         log.warning("client_refused", reason=refusal)
         return _json_error(request, 403, refusal, "permission_error")
-    if front.token is not None and _over_tcp(sock) and not _token_matches(request, front.token) \
-            and not router_api.is_open_probe(request):
+    if (
+        front.token is not None
+        and _over_tcp(sock)
+        and not _token_matches(request, front.token)
+        and not router_api.is_open_probe(request)
+    ):
         log.warning("http_unauthorized")
-        return _json_error(request, 401, "a valid bearer token is required (Authorization: Bearer ..., or x-api-key: ...); "
-                                         "OpenAI and Anthropic clients send it as their API key. "
-                                         "The daemon's http_token log line says which file holds it", code="invalid_api_key")
+        return _json_error(
+            request,
+            401,
+            "a valid bearer token is required (Authorization: Bearer ..., or x-api-key: ...); "
+            "OpenAI and Anthropic clients send it as their API key. "
+            "The daemon's http_token log line says which file holds it",
+            code="invalid_api_key",
+        )
     try:
         if request.body_exists:
             await _read_body(request)
@@ -288,6 +326,8 @@ def _token_matches(request: web.Request, token: str) -> bool:
     return hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), token.encode())
 
 
-def _json_error(request: web.Request, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
+def _json_error(
+    request: web.Request, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+) -> web.Response:
     error = http_errors.HttpError(status, message, kind, code)
     return web.json_response(http_errors.body_for_path(request.path, error), status=status)

@@ -66,9 +66,17 @@ class RunningJob:
         self._jobs = request.app[FRONT_KEY].jobs
         self._number = next(_request_ids)
         self._events: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.create_task(self._handlers.run_job(
-            request[CLIENT_KEY], self._number, params, warm_only=warm_only, on_chunk=self._events.put_nowait, jobs=self._jobs,
-            lane=request.get(LANE_KEY)))
+        self.task = asyncio.create_task(
+            self._handlers.run_job(
+                request[CLIENT_KEY],
+                self._number,
+                params,
+                warm_only=warm_only,
+                on_chunk=self._events.put_nowait,
+                jobs=self._jobs,
+                lane=request.get(LANE_KEY),
+            )
+        )
         self.task.add_done_callback(lambda _: self._events.put_nowait(None))
 
     async def __aenter__(self) -> "RunningJob":
@@ -118,7 +126,9 @@ class LazyStream:
 
     async def send(self, obj: dict[str, Any]) -> None:
         if self.response is None:
-            self.response = web.StreamResponse(headers={"Content-Type": self.content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self.response = web.StreamResponse(
+                headers={"Content-Type": self.content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
             await self.response.prepare(self.request)
         await self.response.write(self.frame(obj))
 
@@ -130,8 +140,9 @@ class LazyStream:
         return self.response
 
 
-async def result_in_stream(job: RunningJob, stream: LazyStream,
-                           error_event: Callable[[RpcError], dict[str, Any]]) -> dict[str, Any] | None:
+async def result_in_stream(
+    job: RunningJob, stream: LazyStream, error_event: Callable[[RpcError], dict[str, Any]]
+) -> dict[str, Any] | None:
     """The job's result; or, when it failed after the stream started, None once the error went out as its last event.
 
     A failure before the stream started is raised, so it gets its own HTTP status.

@@ -70,17 +70,29 @@ def http_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
         raise ValueError(f"--http-no-token contradicts the token given in {given}: drop one of them")
     host, port = parse_http_address(args.http) if args.http is not None else (None, None)
     if host is not None and not is_loopback(host) and not token:
-        raise ValueError(f"--http {args.http} is not a loopback address: set a bearer token (--http-token-file or ${TOKEN_ENV})")
+        raise ValueError(
+            f"--http {args.http} is not a loopback address: set a bearer token (--http-token-file or ${TOKEN_ENV})"
+        )
     if host is not None and token is None and not no_token:
         token_file = default_token_path(environ)
         token, created = read_or_create_token(token_file)
         log.info("http_token", file=str(token_file), created=created, hint="OpenAI clients send it as their API key")
     elif host is not None and no_token:
-        log.warning("http_without_token", address=args.http, reason="--http-no-token: any local user may use the daemon over TCP")
+        log.warning(
+            "http_without_token",
+            address=args.http,
+            reason="--http-no-token: any local user may use the daemon over TCP",
+        )
     unix_path = args.http_socket.expanduser() if args.http_socket is not None else None
     max_output_tokens = getattr(args, "max_output_tokens", None) or DEFAULT_MAX_OUTPUT_TOKENS
-    return HttpSettings(host=host, port=port, unix_path=unix_path, token=token, max_output_tokens=max_output_tokens,
-                        keep_billing_header=bool(getattr(args, "keep_billing_header", False)))
+    return HttpSettings(
+        host=host,
+        port=port,
+        unix_path=unix_path,
+        token=token,
+        max_output_tokens=max_output_tokens,
+        keep_billing_header=bool(getattr(args, "keep_billing_header", False)),
+    )
 
 
 # -- the default token file ------------------------------------------------------------------
@@ -136,16 +148,19 @@ def read_token_file(path: Path) -> str:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{path} is not a regular file; it cannot hold the HTTP token")
         if info.st_uid != os.geteuid():
-            raise ValueError(f"{path} is owned by uid {info.st_uid}, not by this daemon's uid {os.geteuid()}; remove it to get a new token")
+            raise ValueError(
+                f"{path} is owned by uid {info.st_uid}, not by this daemon's uid {os.geteuid()}; remove it to get a new token"
+            )
         if info.st_mode & 0o077:
-            raise ValueError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: other users may read the HTTP token; "
-                             f"chmod 600 {path}, or remove it to get a new token")
+            raise ValueError(
+                f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: other users may read the HTTP token; "
+                f"chmod 600 {path}, or remove it to get a new token"
+            )
         lines = handle.read().splitlines()
     token = lines[0].strip() if lines else ""
     if not token:
         raise ValueError(f"{path} holds no token; remove it to get a new one")
     return token
-
 
 
 def parse_http_address(text: str) -> tuple[str, int]:

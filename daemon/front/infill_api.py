@@ -42,8 +42,11 @@ async def require_fim_format(request: web.Request, model: str | None, field: str
     fim = await fim_format_of(request, model)
     if fim is None:
         name = handlers_of(request).intake.card(model).name
-        raise invalid(f"'{field}': model {name} cannot fill in the middle: its tokenizer has no FIM tokens "
-                      "(<|fim_prefix|>/<|fim_suffix|>/<|fim_middle|>, <fim_prefix>/..., or DeepSeek's)", field)
+        raise invalid(
+            f"'{field}': model {name} cannot fill in the middle: its tokenizer has no FIM tokens "
+            "(<|fim_prefix|>/<|fim_suffix|>/<|fim_middle|>, <fim_prefix>/..., or DeepSeek's)",
+            field,
+        )
     return fim
 
 
@@ -86,7 +89,11 @@ async def _stream(request: web.Request, job: RunningJob, cut: AnswerCut, parsed:
             await stream.send({"content": text, "stop": False})
         if cut.cut:
             job.stop_early(cut.cut_by)
-    if (result := await result_in_stream(job, stream, lambda err: {"error": {"message": err.message, "prefixd_code": err.code}})) is None:
+    if (
+        result := await result_in_stream(
+            job, stream, lambda err: {"error": {"message": err.message, "prefixd_code": err.code}}
+        )
+    ) is None:
         return stream.response
     await stream.send(infill_reply(result, "", cut.cut, parsed))
     return await stream.finish()

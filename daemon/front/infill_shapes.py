@@ -26,7 +26,17 @@ from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
 _PROMPT_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt")
-_GENERATE_FIELDS = ("model", "n_predict", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "cache_prompt")
+_GENERATE_FIELDS = (
+    "model",
+    "n_predict",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "cache_prompt",
+)
 _CUT_FIELDS = ("n_indent", "t_max_predict_ms")
 _NOTED_FIELDS = {
     "id_slot": "id_slot: prefixd has one prefix store shared by every request, no slots",
@@ -37,9 +47,26 @@ _NOTED_FIELDS = {
     "return_tokens": None,
     "response_fields": None,  # honoured
 }
-_SAMPLING_EXTRAS = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                    "frequency_penalty", "penalize_nl", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier",
-                    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability", "xtc_threshold", "min_keep")
+_SAMPLING_EXTRAS = (
+    "top_k",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalize_nl",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "xtc_probability",
+    "xtc_threshold",
+    "min_keep",
+)
 CHUNK_FIELDS = ("filename", "text", "time")
 
 
@@ -67,7 +94,11 @@ def infill_request(body: dict[str, Any], fim: FimFormat) -> InfillRequest:
             raise invalid(f"'{name}' is not supported", name)
     text = fim.prompt(texts["input_prefix"] + texts["prompt"], texts["input_suffix"], extra, with_files=True)
     sampling = request_fields.generate_fields(body, request_fields.FieldNames(max_tokens=None), added_stops=fim.stops)
-    generate: dict[str, Any] = {"prompt": text, **sampling, "stream": True}  # always streamed to the front, which may cut the answer
+    generate: dict[str, Any] = {
+        "prompt": text,
+        **sampling,
+        "stream": True,
+    }  # always streamed to the front, which may cut the answer
     length = _answer_length(body)
     warm_only = length == 0
     if length is not None:
@@ -76,11 +107,19 @@ def infill_request(body: dict[str, Any], fim: FimFormat) -> InfillRequest:
         generate["model"] = body["model"]
     if body.get("cache_prompt") is False:
         generate["cache"] = {"use": False}  # llama.cpp's "do not reuse a cached prefix"
-    notes += check_sampling_extras({k: body[k] for k in _SAMPLING_EXTRAS if k in body}, generate.get("temperature", 0.0))
+    notes += check_sampling_extras(
+        {k: body[k] for k in _SAMPLING_EXTRAS if k in body}, generate.get("temperature", 0.0)
+    )
     params = m.parse_generate(generate)
-    return InfillRequest(params, warm_only, _bool(body, "stream"), request_fields.non_negative(body.get("n_indent"), "n_indent"),
-                         request_fields.non_negative(body.get("t_max_predict_ms"), "t_max_predict_ms"),
-                         _response_fields(body.get("response_fields")), notes)
+    return InfillRequest(
+        params,
+        warm_only,
+        _bool(body, "stream"),
+        request_fields.non_negative(body.get("n_indent"), "n_indent"),
+        request_fields.non_negative(body.get("t_max_predict_ms"), "t_max_predict_ms"),
+        _response_fields(body.get("response_fields")),
+        notes,
+    )
 
 
 def _answer_length(body: dict[str, Any]) -> int | None:
@@ -130,7 +169,9 @@ def _response_fields(fields: Any) -> tuple[str, ...]:
     if fields is None:
         return ()
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
-        raise invalid("'response_fields' must be an array of field paths such as \"timings/prompt_n\"", "response_fields")
+        raise invalid(
+            "'response_fields' must be an array of field paths such as \"timings/prompt_n\"", "response_fields"
+        )
     return tuple(fields)
 
 

@@ -28,7 +28,9 @@ def _bounded_int(digits: str) -> int:
     # json.loads would call int() itself, which gives up only at 4300 digits, and with a
     # message about sys.set_int_max_str_digits that means nothing to an HTTP client.
     if len(digits.lstrip("-")) > MAX_INTEGER_DIGITS:
-        raise _TooManyDigits(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most {MAX_INTEGER_DIGITS} are accepted")
+        raise _TooManyDigits(
+            f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most {MAX_INTEGER_DIGITS} are accepted"
+        )
     return int(digits)
 
 
@@ -59,8 +61,10 @@ def _check_values(body: Any, too_deep: str) -> None:
         value, depth, where = pending.pop()
         if isinstance(value, str):
             if _SURROGATE.search(value):
-                raise _invalid(f"{where or 'the request body'}: a lone surrogate escape (such as \\ud800) is not valid Unicode text",
-                               where.split(".")[0].split("[")[0] or None)
+                raise _invalid(
+                    f"{where or 'the request body'}: a lone surrogate escape (such as \\ud800) is not valid Unicode text",
+                    where.split(".")[0].split("[")[0] or None,
+                )
             continue
         if not isinstance(value, (dict, list)):
             continue
@@ -70,7 +74,9 @@ def _check_values(body: Any, too_deep: str) -> None:
             for key, item in value.items():
                 path = f"{where}.{key}" if where else key
                 if _SURROGATE.search(key):
-                    raise _invalid(f"the key {path!r}: a lone surrogate escape (such as \\ud800) is not valid Unicode text")
+                    raise _invalid(
+                        f"the key {path!r}: a lone surrogate escape (such as \\ud800) is not valid Unicode text"
+                    )
                 pending.append((item, depth + 1, path))
         else:
             pending.extend((item, depth + 1, f"{where}[{index}]") for index, item in enumerate(value))

@@ -89,7 +89,11 @@ class SocketFile:
         """
         if not self.is_still_ours():
             if os.path.lexists(self.path):
-                log.warning("socket_left_in_place", socket=str(self.path), reason="another process bound this path after ours was deleted")
+                log.warning(
+                    "socket_left_in_place",
+                    socket=str(self.path),
+                    reason="another process bound this path after ours was deleted",
+                )
             return False
         try:
             os.unlink(self.path)
@@ -128,20 +132,24 @@ def check_socket_directory(directory: Path) -> os.stat_result:
     except FileNotFoundError:
         raise UnsafeSocketDirectory(directory, "it does not exist", "create it or pass another --socket") from None
     if stat.S_ISLNK(info.st_mode):
-        raise UnsafeSocketDirectory(directory, "it is a symbolic link", "use the real directory's path, or remove the link")
+        raise UnsafeSocketDirectory(
+            directory, "it is a symbolic link", "use the real directory's path, or remove the link"
+        )
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafeSocketDirectory(directory, "it is not a directory", "remove it or pass another --socket")
     own_uid = os.geteuid()
     if info.st_uid not in (own_uid, 0):
         raise UnsafeSocketDirectory(
-            directory, f"it is owned by uid {info.st_uid}, not by this daemon's uid {own_uid}",
+            directory,
+            f"it is owned by uid {info.st_uid}, not by this daemon's uid {own_uid}",
             "another user may have created it to take over the socket: remove it, or pass another --socket",
         )
     writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if writable_by_others and not info.st_mode & stat.S_ISVTX:
         mode = stat.S_IMODE(info.st_mode)
         raise UnsafeSocketDirectory(
-            directory, f"its mode {mode:04o} lets other users write to it (and so replace the socket)",
+            directory,
+            f"its mode {mode:04o} lets other users write to it (and so replace the socket)",
             f"chmod 700 {directory}, or pass another --socket",
         )
     return info
@@ -191,7 +199,9 @@ def bind_unix_socket(path: Path) -> tuple[socket.socket, SocketFile]:
         # the socket went somewhere we did not check.
         now = os.lstat(path.parent)
         if (now.st_dev, now.st_ino) != (directory.st_dev, directory.st_ino):
-            raise UnsafeSocketDirectory(path.parent, "it was replaced while the socket was being bound", "check who else writes to its parent")
+            raise UnsafeSocketDirectory(
+                path.parent, "it was replaced while the socket was being bound", "check who else writes to its parent"
+            )
         os.chmod(path, 0o600)
         sock.listen(128)
     except BaseException:

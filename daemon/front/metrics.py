@@ -41,19 +41,42 @@ class DaemonMetrics:
         self.handlers = handlers
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = Counter("prefixd_requests", "Generate and warm-up requests that ended, by outcome "
-                                "(a finish reason, or the error code's name)", ["model", "outcome"], registry=r)
-        self.prompt_tokens = Counter("prefixd_prompt_tokens", "Prompt tokens of finished requests", ["model"], registry=r)
-        self.reused_tokens = Counter("prefixd_reused_tokens", "Prompt tokens taken from the prefix store", ["model"], registry=r)
-        self.prefilled_tokens = Counter("prefixd_prefilled_tokens", "Prompt tokens computed (not found in the store)",
-                                        ["model"], registry=r)
+        self.requests = Counter(
+            "prefixd_requests",
+            "Generate and warm-up requests that ended, by outcome (a finish reason, or the error code's name)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "prefixd_prompt_tokens", "Prompt tokens of finished requests", ["model"], registry=r
+        )
+        self.reused_tokens = Counter(
+            "prefixd_reused_tokens", "Prompt tokens taken from the prefix store", ["model"], registry=r
+        )
+        self.prefilled_tokens = Counter(
+            "prefixd_prefilled_tokens", "Prompt tokens computed (not found in the store)", ["model"], registry=r
+        )
         self.completion_tokens = Counter("prefixd_completion_tokens", "Tokens generated", ["model"], registry=r)
-        self.lookups = Counter("prefixd_cache_lookups", "Prefix store lookups by result (exact, partial, miss, off)",
-                               ["model", "hit"], registry=r)
-        self.ttft = Histogram("prefixd_time_to_first_token_seconds", "From the request's arrival to its first token",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("prefixd_queue_seconds", "From the request's arrival to its admission (encoding included)",
-                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.lookups = Counter(
+            "prefixd_cache_lookups",
+            "Prefix store lookups by result (exact, partial, miss, off)",
+            ["model", "hit"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "prefixd_time_to_first_token_seconds",
+            "From the request's arrival to its first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "prefixd_queue_seconds",
+            "From the request's arrival to its admission (encoding included)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._reused: dict[str, float] = {}  # per model, for the hit ratio gauge
         self._prompt: dict[str, float] = {}
         self._stats: dict[str, Any] = {}  # the last stats call's answer, read by the collector
@@ -63,7 +86,11 @@ class DaemonMetrics:
     def observe(self, job: GenerateJob, outcome: "dict | RpcError") -> None:
         if isinstance(outcome, RpcError):
             model = job.params.model or self.handlers.engine.default_model or ""
-            name = ErrorCode(outcome.code).name.lower() if outcome.code in ErrorCode._value2member_map_ else str(outcome.code)
+            name = (
+                ErrorCode(outcome.code).name.lower()
+                if outcome.code in ErrorCode._value2member_map_
+                else str(outcome.code)
+            )
             self.requests.labels(model, name).inc()
             return
         model, cache, timings, usage = outcome["model"], outcome["cache"], outcome["timings"], outcome["usage"]
@@ -93,31 +120,44 @@ class _EngineGauges(Collector):
 
     def collect(self) -> Iterator[Any]:
         stats, metrics = self.metrics._stats, self.metrics
-        ratio = GaugeMetricFamily("prefixd_prompt_reuse_ratio", "Prompt tokens reused / prompt tokens, since the start",
-                                  labels=["model"])
+        ratio = GaugeMetricFamily(
+            "prefixd_prompt_reuse_ratio", "Prompt tokens reused / prompt tokens, since the start", labels=["model"]
+        )
         for model, prompt in metrics._prompt.items():
             ratio.add_metric([model], metrics._reused.get(model, 0) / prompt if prompt else 0.0)
         yield ratio
-        normalized = CounterMetricFamily("prefixd_prompts_normalized", "Prompts whose volatile parts were taken out "
-                                         "before templating, by what (anthropic_billing_header: Claude Code's billing line)",
-                                         labels=["what"])
+        normalized = CounterMetricFamily(
+            "prefixd_prompts_normalized",
+            "Prompts whose volatile parts were taken out "
+            "before templating, by what (anthropic_billing_header: Claude Code's billing line)",
+            labels=["what"],
+        )
         for what, count in metrics.handlers.prompts_normalized.items():
             normalized.add_metric([what], count)
         yield normalized
         if not stats:
             return
         requests = stats["requests"]
-        for name, key, help_text in (("running", "active", "Sequences admitted and not done (prefilling, decoding or waiting)"),
-                                     ("prefilling", "prefilling", "Sequences prefilling their prompt"),
-                                     ("decoding", "decoding", "Sequences generating"),
-                                     ("queued", "queued", "Requests waiting for admission")):
+        for name, key, help_text in (
+            ("running", "active", "Sequences admitted and not done (prefilling, decoding or waiting)"),
+            ("prefilling", "prefilling", "Sequences prefilling their prompt"),
+            ("decoding", "decoding", "Sequences generating"),
+            ("queued", "queued", "Requests waiting for admission"),
+        ):
             yield GaugeMetricFamily(f"prefixd_sequences_{name}", help_text, value=requests.get(key, 0))
         per_model = stats["cache"]["per_model"]
-        gauges = {name: GaugeMetricFamily(f"prefixd_store_{name}", help_text, labels=["model"]) for name, help_text in (
-            ("bytes", "Bytes the prefix store holds"), ("pinned_bytes", "Bytes pinned in the prefix store"),
-            ("sequences", "Stored sequences (leaves of the radix tree)"),
-            ("recent_reuse_ratio", "Reused / looked-up tokens over the store's last 256 lookups"))}
-        evictions = CounterMetricFamily("prefixd_store_evictions", "Entries evicted from the prefix store", labels=["model"])
+        gauges = {
+            name: GaugeMetricFamily(f"prefixd_store_{name}", help_text, labels=["model"])
+            for name, help_text in (
+                ("bytes", "Bytes the prefix store holds"),
+                ("pinned_bytes", "Bytes pinned in the prefix store"),
+                ("sequences", "Stored sequences (leaves of the radix tree)"),
+                ("recent_reuse_ratio", "Reused / looked-up tokens over the store's last 256 lookups"),
+            )
+        }
+        evictions = CounterMetricFamily(
+            "prefixd_store_evictions", "Entries evicted from the prefix store", labels=["model"]
+        )
         for model, s in per_model.items():
             gauges["bytes"].add_metric([model], s["num_bytes"])
             gauges["pinned_bytes"].add_metric([model], s["pinned_bytes"])
@@ -126,18 +166,27 @@ class _EngineGauges(Collector):
             evictions.add_metric([model], s["num_evictions"])
         yield from gauges.values()
         yield evictions
-        yield GaugeMetricFamily("prefixd_store_max_bytes", "The prefix store's capacity now (the budget less running sequences' KV)",
-                                value=stats["cache"]["total"]["max_bytes"])
+        yield GaugeMetricFamily(
+            "prefixd_store_max_bytes",
+            "The prefix store's capacity now (the budget less running sequences' KV)",
+            value=stats["cache"]["total"]["max_bytes"],
+        )
         process = stats["process"]
         if process.get("peak_rss_bytes") is not None:
-            yield GaugeMetricFamily("prefixd_process_peak_rss_bytes", "Peak resident memory", value=process["peak_rss_bytes"])
+            yield GaugeMetricFamily(
+                "prefixd_process_peak_rss_bytes", "Peak resident memory", value=process["peak_rss_bytes"]
+            )
         yield GaugeMetricFamily("prefixd_mlx_active_bytes", "Memory MLX holds now", value=process["mlx_active_bytes"])
         shadow = stats.get("shadow", {})
-        runs = CounterMetricFamily("prefixd_shadow_checks", "Shadow checks of cache hits (re-run without the cache) "
-                                   "by result: match, mismatch, dropped, failed", labels=["model", "result"])
+        runs = CounterMetricFamily(
+            "prefixd_shadow_checks",
+            "Shadow checks of cache hits (re-run without the cache) by result: match, mismatch, dropped, failed",
+            labels=["model", "result"],
+        )
         for model, counts in shadow.get("per_model", {}).items():
             for result, count in counts.items():
                 runs.add_metric([model, result], count)
         yield runs
-        yield GaugeMetricFamily("prefixd_shadow_pending", "Cache hits waiting for their shadow check",
-                                value=shadow.get("pending", 0))
+        yield GaugeMetricFamily(
+            "prefixd_shadow_pending", "Cache hits waiting for their shadow check", value=shadow.get("pending", 0)
+        )

@@ -15,7 +15,15 @@ from .handlers import DAEMON_VERSION
 from .http_errors import from_rpc, invalid, ollama_body, reject_unknown
 from .http_jobs import LazyStream, RunningJob, handlers_of, json_object, ndjson_line, result_in_stream
 from .infill_api import fim_format_of, require_fim_format
-from .ollama_shapes import OllamaReply, OllamaRequest, chat_request, generate_request, model_entry, running_entry, show_entry
+from .ollama_shapes import (
+    OllamaReply,
+    OllamaRequest,
+    chat_request,
+    generate_request,
+    model_entry,
+    running_entry,
+    show_entry,
+)
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
@@ -95,8 +103,13 @@ async def show(request: web.Request) -> web.Response:
     card = handlers_of(request).intake.card(name)  # 404 for a model that is not configured
     model = next(m for m in await _models(request) if m["name"] == card.name)
     template = getattr(card.encoder.tokenizer, "chat_template", None)
-    return web.json_response(show_entry(model, template if isinstance(template, str) else None,
-                                        fim=await fim_format_of(request, card.name) is not None))
+    return web.json_response(
+        show_entry(
+            model,
+            template if isinstance(template, str) else None,
+            fim=await fim_format_of(request, card.name) is not None,
+        )
+    )
 
 
 async def version(request: web.Request) -> web.Response:

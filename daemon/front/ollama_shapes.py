@@ -33,12 +33,37 @@ from .http_errors import invalid, reject_unknown
 from .sampling_fields import check_sampling_extras
 
 CHAT_FIELDS = ("model", "messages", "tools", "format", "options", "stream", "keep_alive", "think")
-GENERATE_FIELDS = ("model", "prompt", "suffix", "images", "format", "options", "system", "template", "stream", "raw",
-                   "keep_alive", "context", "think")
+GENERATE_FIELDS = (
+    "model",
+    "prompt",
+    "suffix",
+    "images",
+    "format",
+    "options",
+    "system",
+    "template",
+    "stream",
+    "raw",
+    "keep_alive",
+    "context",
+    "think",
+)
 MESSAGE_FIELDS = ("role", "content", "images", "tool_calls", "thinking", "tool_name")
 # Options that tune where and how fast a model runs, never which tokens come out.
-RUNTIME_OPTIONS = ("num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "numa", "low_vram", "num_batch",
-                   "f16_kv", "vocab_only", "logits_all", "embedding_only")
+RUNTIME_OPTIONS = (
+    "num_thread",
+    "num_gpu",
+    "main_gpu",
+    "use_mmap",
+    "use_mlock",
+    "numa",
+    "low_vram",
+    "num_batch",
+    "f16_kv",
+    "vocab_only",
+    "logits_all",
+    "embedding_only",
+)
 # Options about truncating a prompt that does not fit: prefixd never truncates (a prompt that does not fit is a 400).
 CONTEXT_OPTIONS = ("num_ctx", "num_keep")
 NEVER = "2318-01-01T00:00:00Z"  # Ollama's expires_at for a model kept loaded for good
@@ -82,8 +107,11 @@ def chat_request(body: dict[str, Any], default_model: str) -> OllamaRequest:
     return _with_options(body, default_model, {"messages": parsed, **tools, **_format_constraint(body.get("format"))})
 
 
-def generate_request(body: dict[str, Any], default_model: str,
-                     fim_prompt: Callable[[str, str], tuple[str, tuple[str, ...]]] | None = None) -> OllamaRequest:
+def generate_request(
+    body: dict[str, Any],
+    default_model: str,
+    fim_prompt: Callable[[str, str], tuple[str, tuple[str, ...]]] | None = None,
+) -> OllamaRequest:
     """``fim_prompt(prefix, suffix) -> (prompt text, stop strings)``: the model's FIM format, when ``suffix`` is given."""
     reject_unknown(body, GENERATE_FIELDS)
     check_field_kinds(body)
@@ -125,10 +153,13 @@ def _format_constraint(value: Any) -> dict[str, Any]:
 
 def _refuse_features(body: dict[str, Any], names: tuple[str, ...]) -> None:
     """Fields whose features prefixd does not have yet; their empty values ("", [], false) mean "off" and pass."""
-    reasons = {"think": "thinking mode is not supported", "images": "images are not supported (text models only)",
-               "template": "a custom prompt template is not supported; prefixd uses the model's chat template (or raw=true)",
-               "context": "the deprecated 'context' token list is not supported; send the conversation to /api/chat "
-                          "(prefixd's prefix cache makes resending it cheap)"}
+    reasons = {
+        "think": "thinking mode is not supported",
+        "images": "images are not supported (text models only)",
+        "template": "a custom prompt template is not supported; prefixd uses the model's chat template (or raw=true)",
+        "context": "the deprecated 'context' token list is not supported; send the conversation to /api/chat "
+        "(prefixd's prefix cache makes resending it cheap)",
+    }
     for name in names:
         if body.get(name) not in (None, "", [], False):
             raise invalid(f"'{name}' is not supported: {reasons[name]}", name)
@@ -154,12 +185,17 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
 
 def _load_only(body: dict[str, Any], default_model: str) -> OllamaRequest:
     """Ollama's load request (no prompt, no messages): loads the model, or with keep_alive 0 unloads it."""
-    return OllamaRequest(None, body.get("model") or default_model, bool(body.get("stream", True)),
-                         keep_alive=_keep_alive(body.get("keep_alive")))
+    return OllamaRequest(
+        None,
+        body.get("model") or default_model,
+        bool(body.get("stream", True)),
+        keep_alive=_keep_alive(body.get("keep_alive")),
+    )
 
 
-def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, Any],
-                  extra_stops: tuple[str, ...] = ()) -> OllamaRequest:
+def _with_options(
+    body: dict[str, Any], default_model: str, prompt: dict[str, Any], extra_stops: tuple[str, ...] = ()
+) -> OllamaRequest:
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise invalid("'options' must be an object", "options")
@@ -167,8 +203,14 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
     stream = body.get("stream", True)  # Ollama streams unless told not to
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", "stream")
-    sampling = request_fields.generate_fields(options, request_fields.FieldNames(max_tokens=None), "options.", extra_stops)
-    generate: dict[str, Any] = {**prompt, **sampling, "stream": True}  # always streamed to the front; the reply streams if asked
+    sampling = request_fields.generate_fields(
+        options, request_fields.FieldNames(max_tokens=None), "options.", extra_stops
+    )
+    generate: dict[str, Any] = {
+        **prompt,
+        **sampling,
+        "stream": True,
+    }  # always streamed to the front; the reply streams if asked
     notes: list[str] = []
     if options.get("num_predict") is not None:
         generate["max_tokens"] = _num_predict(options["num_predict"])
@@ -179,8 +221,11 @@ def _with_options(body: dict[str, Any], default_model: str, prompt: dict[str, An
     extras = {k: v for k, v in options.items() if k not in ("temperature", "top_p", "seed", "stop", "num_predict")}
     for name in RUNTIME_OPTIONS + CONTEXT_OPTIONS:
         if extras.pop(name, None) is not None:
-            notes.append(f"options.{name}: no effect in prefixd" if name in RUNTIME_OPTIONS else
-                         f"options.{name}: prefixd uses the model's whole context and never truncates a prompt")
+            notes.append(
+                f"options.{name}: no effect in prefixd"
+                if name in RUNTIME_OPTIONS
+                else f"options.{name}: prefixd uses the model's whole context and never truncates a prompt"
+            )
     notes += check_sampling_extras(extras, generate.get("temperature", 0.0), "options.")
     params = m.parse_generate(generate)
     return OllamaRequest(params, params.model or default_model, stream, notes, params.keep_alive)
@@ -229,11 +274,16 @@ class OllamaReply:
         """A streamed chunk: a piece of text, and the tool calls that became whole in it (prefixd's call maps)."""
         return {"model": self.model, "created_at": now_rfc3339(), **self._text(text, calls), "done": False}
 
-    def final(self, result: dict[str, Any], text: str = "", calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def final(
+        self, result: dict[str, Any], text: str = "", calls: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """The last chunk (``text``, ``calls``: what it carries, the whole answer when not streamed): counters, cache map, notes."""
         timings, usage = result["timings"], result["usage"]
         reply = {
-            "model": self.model, "created_at": now_rfc3339(), **self._text(text, calls), "done": True,
+            "model": self.model,
+            "created_at": now_rfc3339(),
+            **self._text(text, calls),
+            "done": True,
             "done_reason": _DONE_REASONS.get(result["finish_reason"], "stop"),
             "total_duration": _ns(timings["total_ms"]),
             "load_duration": 0,  # a model loaded for this request blocked the engine before it was admitted: not timed per request
@@ -250,8 +300,13 @@ class OllamaReply:
 
     def loaded(self, unloaded: bool = False) -> dict[str, Any]:
         """The answer to a load request (no prompt, no messages): the model is loaded now, or (keep_alive 0) unloaded."""
-        reply = {"model": self.model, "created_at": now_rfc3339(), **self._text(""), "done": True,
-                 "done_reason": "unload" if unloaded else "load"}
+        reply = {
+            "model": self.model,
+            "created_at": now_rfc3339(),
+            **self._text(""),
+            "done": True,
+            "done_reason": "unload" if unloaded else "load",
+        }
         if self.notes:
             reply["prefixd_notes"] = self.notes
         return reply
@@ -263,8 +318,13 @@ def _ollama_call(call: dict[str, Any], position: int) -> dict[str, Any]:
     ``index`` counts the answer's calls: a streamed call map has its own, a reply's calls are in order.
     """
     function = call["function"]
-    return {"function": {"index": call.get("index", position), "name": function["name"],
-                         "arguments": json.loads(function["arguments"])}}
+    return {
+        "function": {
+            "index": call.get("index", position),
+            "name": function["name"],
+            "arguments": json.loads(function["arguments"]),
+        }
+    }
 
 
 def _ns(milliseconds: float) -> int:
@@ -277,7 +337,8 @@ def _ns(milliseconds: float) -> int:
 def model_entry(model: dict[str, Any], started_at: float) -> dict[str, Any]:
     """One configured model (loaded or not) as /api/tags lists it, from the engine's describe_models."""
     return {
-        "name": model["name"], "model": model["name"],
+        "name": model["name"],
+        "model": model["name"],
         "modified_at": _rfc3339(started_at),
         "size": model["weight_bytes"],
         "digest": model["fingerprint"],
@@ -290,10 +351,16 @@ def running_entry(model: dict[str, Any]) -> dict[str, Any]:
     request uses it or it is kept for good); ``prefixd_loaded_at`` says since when."""
     expires_at = model["expires_at"]
     return {
-        "name": model["name"], "model": model["name"], "size": model["resident_bytes"], "digest": model["fingerprint"],
-        "details": _details(model), "expires_at": _rfc3339(expires_at) if expires_at is not None else NEVER,
-        "size_vram": 0, "context_length": model["context_length"],
-        "prefixd_loaded_at": _rfc3339(model["loaded_at"]), "prefixd_keep_alive": model["keep_alive"],
+        "name": model["name"],
+        "model": model["name"],
+        "size": model["resident_bytes"],
+        "digest": model["fingerprint"],
+        "details": _details(model),
+        "expires_at": _rfc3339(expires_at) if expires_at is not None else NEVER,
+        "size_vram": 0,
+        "context_length": model["context_length"],
+        "prefixd_loaded_at": _rfc3339(model["loaded_at"]),
+        "prefixd_keep_alive": model["keep_alive"],
     }
 
 
@@ -304,15 +371,26 @@ def _rfc3339(unix_time: float) -> str:
 def show_entry(model: dict[str, Any], template: str | None, fim: bool) -> dict[str, Any]:
     capabilities = ["completion"] + (["insert"] if fim else [])
     return {
-        "modelfile": "", "parameters": "", "template": template or "",
+        "modelfile": "",
+        "parameters": "",
+        "template": template or "",
         "details": _details(model),
-        "model_info": {"general.architecture": model.get("architecture") or "", "general.basename": model["name"],
-                       f"{model.get('architecture') or 'prefixd'}.context_length": model["context_length"]},
+        "model_info": {
+            "general.architecture": model.get("architecture") or "",
+            "general.basename": model["name"],
+            f"{model.get('architecture') or 'prefixd'}.context_length": model["context_length"],
+        },
         "capabilities": capabilities,
         "modified_at": now_rfc3339(),
     }
 
 
 def _details(model: dict[str, Any]) -> dict[str, Any]:
-    return {"parent_model": "", "format": "mlx", "family": model.get("architecture") or "", "families": None,
-            "parameter_size": "", "quantization_level": model.get("dtype") or ""}
+    return {
+        "parent_model": "",
+        "format": "mlx",
+        "family": model.get("architecture") or "",
+        "families": None,
+        "parameter_size": "",
+        "quantization_level": model.get("dtype") or "",
+    }

@@ -37,7 +37,9 @@ async def get_model(request: web.Request) -> web.Response:
     if name not in handlers.engine.model_names:
         raise model_not_found(name, handlers.engine.model_names)
     described = await handlers.engine.call(handlers.engine.controls.describe_models)
-    return web.json_response(shapes.models_list([model for model in described if model["name"] == name], int(handlers.started_at))["data"][0])
+    return web.json_response(
+        shapes.models_list([model for model in described if model["name"] == name], int(handlers.started_at))["data"][0]
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -49,13 +51,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    if isinstance(body, dict) and body.get("suffix"):  # fill-in-the-middle: the model's FIM tokens around prompt and suffix
+    if isinstance(body, dict) and body.get(
+        "suffix"
+    ):  # fill-in-the-middle: the model's FIM tokens around prompt and suffix
         body = await infill_api.completion_with_suffix(request, body)
     return await _generate(request, shapes.completion_request(body), chat=False, include_usage=shapes.wants_usage(body))
 
 
-async def _generate(request: web.Request, params: m.GenerateParams, chat: bool, include_usage: bool,
-                    notes: list[str] | None = None) -> web.StreamResponse:
+async def _generate(
+    request: web.Request, params: m.GenerateParams, chat: bool, include_usage: bool, notes: list[str] | None = None
+) -> web.StreamResponse:
     reply = shapes.Reply(chat, params.model or handlers_of(request).engine.default_model or "", notes)
     async with RunningJob(request, params) as job:
         if not params.stream:
@@ -63,7 +68,9 @@ async def _generate(request: web.Request, params: m.GenerateParams, chat: bool, 
         return await _stream(request, reply, job, include_usage)
 
 
-async def _stream(request: web.Request, reply: shapes.Reply, job: RunningJob, include_usage: bool) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, reply: shapes.Reply, job: RunningJob, include_usage: bool
+) -> web.StreamResponse:
     stream = LazyStream(request, "text/event-stream", sse_data)
     async for chunk in job.chunks():
         if not stream.started:

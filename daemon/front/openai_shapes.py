@@ -65,8 +65,12 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     # max_completion_tokens replaced max_tokens on chat; a client may send both (the newer one counts).
     length = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = request_fields.generate_fields(body, request_fields.FieldNames(max_tokens=length))
-    for key, value in (("stream", body.get("stream")), ("model", body.get("model") or None),
-                       ("session", body.get("session")), ("cache", body.get("cache"))):
+    for key, value in (
+        ("stream", body.get("stream")),
+        ("model", body.get("model") or None),
+        ("session", body.get("session")),
+        ("cache", body.get("cache")),
+    ):
         if value is not None:
             params[key] = value
     return params
@@ -75,9 +79,30 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
 # /v1/chat/completions: the fields prefixd honours; those that only label the request or tune OpenAI's own
 # service (they cannot change the answer); penalties and other servers' sampling extras (checked by
 # sampling_fields); prefixd's own session and cache. Any other is a 400 naming it.
-CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-               "stream_options", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "response_format", "tools",
-               "tool_choice", "parallel_tool_calls", "functions", "function_call", "session", "cache")
+CHAT_FIELDS = (
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "session",
+    "cache",
+)
 CHAT_LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 CHAT_SAMPLING_EXTRAS = GREEDY_EXACT + tuple(NEUTRAL_VALUES)
 # llama.cpp server's own fields, which llama.vim's instruction mode sends: hints here, named in prefixd_notes.
@@ -106,7 +131,11 @@ def chat_request(body: Any, notes: list[str] | None = None) -> m.GenerateParams:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty array", "messages")
-    params = {**_common(body), **_tool_fields(body), "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)]}
+    params = {
+        **_common(body),
+        **_tool_fields(body),
+        "messages": [_chat_message(i, msg) for i, msg in enumerate(messages)],
+    }
     if body.get("cache_prompt") is False and "cache" not in params:
         params["cache"] = {"use": False}  # llama.cpp's "do not reuse a cached prefix"
     constraint = response_format_constraint(body.get("response_format"))
@@ -125,8 +154,11 @@ def _check_stream_options(body: dict[str, Any]) -> None:
 
 def _llama_cpp_hints(body: dict[str, Any]) -> list[str]:
     """Notes on llama.cpp's fields in ``body`` (their types are checked with the others': field_kinds)."""
-    return [note for name, note in LLAMA_CPP_HINTS.items()
-            if body.get(name) is not None and not (name == "cache_prompt" and body[name] is False)]
+    return [
+        note
+        for name, note in LLAMA_CPP_HINTS.items()
+        if body.get(name) is not None and not (name == "cache_prompt" and body[name] is False)
+    ]
 
 
 def response_format_constraint(response_format: Any) -> dict[str, Any] | None:
@@ -149,7 +181,7 @@ def response_format_constraint(response_format: Any) -> dict[str, Any] | None:
         if not isinstance(schema, dict):
             raise _invalid("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
         return {"json_schema": schema}
-    raise _invalid("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"", "response_format")
+    raise _invalid('\'response_format.type\' must be "text", "json_object" or "json_schema"', "response_format")
 
 
 def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -160,8 +192,11 @@ def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
     choice = body.get("tool_choice")
     if body.get("parallel_tool_calls") is False and body.get("tools") and choice in (None, "auto"):
         # A forced call is always exactly one; under "auto" the model writes as many as it likes.
-        raise _invalid("'parallel_tool_calls' false is honoured only with a 'tool_choice' that forces one call "
-                       "(\"required\" or a named function)", "parallel_tool_calls")
+        raise _invalid(
+            "'parallel_tool_calls' false is honoured only with a 'tool_choice' that forces one call "
+            '("required" or a named function)',
+            "parallel_tool_calls",
+        )
     return {key: body[key] for key in ("tools", "tool_choice") if body.get(key) is not None}
 
 
@@ -187,9 +222,28 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
 
 
 # /v1/completions: every field OpenAI defines (and prefixd's own session and cache); any other is a 400 naming it.
-COMPLETION_FIELDS = ("model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-                     "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "user",
-                     "seed", "session", "cache")
+COMPLETION_FIELDS = (
+    "model",
+    "prompt",
+    "suffix",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "echo",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "best_of",
+    "logit_bias",
+    "user",
+    "seed",
+    "session",
+    "cache",
+)
 
 
 def completion_request(body: Any) -> m.GenerateParams:
@@ -278,10 +332,14 @@ class Reply:
         """One streamed chunk: a piece of text, or the closing chunk with its finish reason."""
         finish = _FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            )
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}])
+        return self._envelope(
+            "text_completion", [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+        )
 
     def tool_call_chunks(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Whole calls as OpenAI streams them: per call a ``delta.tool_calls`` chunk with its index, id, type and
@@ -293,19 +351,31 @@ class Reply:
         chunks = []
         for call in calls:
             function = call["function"]
-            head = {"index": call["index"], "id": call["id"], "type": "function",
-                    "function": {"name": function["name"], "arguments": ""}}
-            chunks += [self._tool_delta(head), self._tool_delta({"index": call["index"], "function": {"arguments": function["arguments"]}})]
+            head = {
+                "index": call["index"],
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": ""},
+            }
+            chunks += [
+                self._tool_delta(head),
+                self._tool_delta({"index": call["index"], "function": {"arguments": function["arguments"]}}),
+            ]
         return chunks
 
     def _tool_delta(self, piece: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None, "logprobs": None}])
+        return self._envelope(
+            "chat.completion.chunk",
+            [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None, "logprobs": None}],
+        )
 
     def closing_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
         """The chunk that carries the finish reason, plus prefixd's cache figures."""
         extras = self.extras(result)
-        return {**self.chunk(finish_reason=result["finish_reason"]),
-                **{key: value for key, value in extras.items() if key.startswith("prefixd_")}}
+        return {
+            **self.chunk(finish_reason=result["finish_reason"]),
+            **{key: value for key, value in extras.items() if key.startswith("prefixd_")},
+        }
 
     def usage_chunk(self, result: dict[str, Any]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the usage."""
@@ -317,8 +387,17 @@ RESIDENCY_KEYS = ("loaded", "resident_bytes", "weight_bytes", "loaded_at", "expi
 
 def models_list(described: list[dict[str, Any]], created: int) -> dict[str, Any]:
     """OpenAI's model list from the engine's describe_models, with each model's residency and tools path beside OpenAI's fields."""
-    return {"object": "list", "data": [
-        {"id": model["name"], "object": "model", "created": created, "owned_by": "prefixd",
-         "prefixd_residency": {key: model[key] for key in RESIDENCY_KEYS},
-         "prefixd_tools": model.get("tools")}  # template | generic | none: how the model takes tools, once known
-        for model in described]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model["name"],
+                "object": "model",
+                "created": created,
+                "owned_by": "prefixd",
+                "prefixd_residency": {key: model[key] for key in RESIDENCY_KEYS},
+                "prefixd_tools": model.get("tools"),
+            }  # template | generic | none: how the model takes tools, once known
+            for model in described
+        ],
+    }

@@ -37,8 +37,9 @@ class PromptIntake:
             raise model_not_found(name, self.engine.model_names)
         return card
 
-    async def encode(self, model: str | None, prompt: PromptInput,
-                     generates: bool | None = True) -> tuple[ModelCard, EncodedPrompt]:
+    async def encode(
+        self, model: str | None, prompt: PromptInput, generates: bool | None = True
+    ) -> tuple[ModelCard, EncodedPrompt]:
         """The model's card and the encoded prompt (``generates``: see PromptEncoder.encode)."""
         card = self.card(model)
         loop = asyncio.get_running_loop()

@@ -35,8 +35,9 @@ class FieldNames:
     stop: str | None = "stop"
 
 
-def generate_fields(body: dict[str, Any], names: FieldNames = FieldNames(), where: str = "",
-                    added_stops: tuple[str, ...] = ()) -> dict[str, Any]:
+def generate_fields(
+    body: dict[str, Any], names: FieldNames = FieldNames(), where: str = "", added_stops: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The generate params named by ``names`` that ``body`` holds (not null), checked; a 400 naming the first bad one.
 
     ``where`` prefixes the names in errors ("options."); ``added_stops`` are

@@ -45,8 +45,12 @@ def _size(*objects: Any) -> int:
 class ResponseStore:
     """The daemon's stored responses, by id. Event-loop only."""
 
-    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, max_bytes: int = DEFAULT_MAX_BYTES,
-                 directory: Path | None = None):
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_MAX_RESPONSES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        directory: Path | None = None,
+    ):
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self.directory = directory
@@ -88,7 +92,9 @@ class ResponseStore:
     def _add(self, response_id: str, stored: StoredResponse) -> None:
         self._responses[response_id] = stored
         self.num_bytes += stored.num_bytes
-        while len(self._responses) > self.max_responses or (self.num_bytes > self.max_bytes and len(self._responses) > 1):
+        while len(self._responses) > self.max_responses or (
+            self.num_bytes > self.max_bytes and len(self._responses) > 1
+        ):
             old_id, old = self._responses.popitem(last=False)
             self.num_bytes -= old.num_bytes
             self._unlink(old_id)

@@ -36,7 +36,9 @@ from .responses_shapes import ResponsesRequest, final_status, response_object, r
 
 log = structlog.get_logger("prefixd.http")
 STORE_KEY = web.AppKey("responses_store", ResponseStore)
-MAX_OUTPUT_TOKENS_KEY = web.AppKey("responses_max_output_tokens", int)  # when a request names none (--max-output-tokens)
+MAX_OUTPUT_TOKENS_KEY = web.AppKey(
+    "responses_max_output_tokens", int
+)  # when a request names none (--max-output-tokens)
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
@@ -49,9 +51,14 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 def _not_found(response_id: str, param: str | None = None) -> web.Response:
     what = "Previous response" if param else "Response"
-    error = http_errors.HttpError(404, f"{what} with id '{response_id}' not found (responses are kept in memory, "
-                                       "bounded in number and size, and across restarts only with the disk cache on)",
-                                  "invalid_request_error", "previous_response_not_found" if param else "not_found", param)
+    error = http_errors.HttpError(
+        404,
+        f"{what} with id '{response_id}' not found (responses are kept in memory, "
+        "bounded in number and size, and across restarts only with the disk cache on)",
+        "invalid_request_error",
+        "previous_response_not_found" if param else "not_found",
+        param,
+    )
     return web.json_response(http_errors.openai_body(error), status=404)
 
 
@@ -84,8 +91,15 @@ async def create(request: web.Request) -> web.StreamResponse:
     async with RunningJob(request, parsed.params) as job:
         if not parsed.stream:
             result = await job.result()
-            final = response_object(response_id, parsed, model, created_at, final_status(result),
-                                    output_items(result, parsed.namespaces), result)
+            final = response_object(
+                response_id,
+                parsed,
+                model,
+                created_at,
+                final_status(result),
+                output_items(result, parsed.namespaces),
+                result,
+            )
             _remember(request, parsed, final, history)
             return web.json_response(final)
         events = ResponseEvents(response_id, parsed, model, created_at)
@@ -112,7 +126,9 @@ async def create(request: web.Request) -> web.StreamResponse:
         return await stream.finish()
 
 
-def _remember(request: web.Request, parsed: ResponsesRequest, final: dict[str, Any], history: list[dict[str, Any]]) -> None:
+def _remember(
+    request: web.Request, parsed: ResponsesRequest, final: dict[str, Any], history: list[dict[str, Any]]
+) -> None:
     if parsed.store:
         _store(request).put(final, history, parsed.items)
 
@@ -144,33 +160,56 @@ class ResponseEvents:
         self._num_events += 1
         return event
 
-    def _object(self, status: str, result: dict[str, Any] | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_object(self.response_id, self.parsed, self.model, self.created_at, status, list(self.output), result, error)
+    def _object(
+        self, status: str, result: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return response_object(
+            self.response_id, self.parsed, self.model, self.created_at, status, list(self.output), result, error
+        )
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self._object("in_progress")),
-                self._event("response.in_progress", response=self._object("in_progress"))]
+        return [
+            self._event("response.created", response=self._object("in_progress")),
+            self._event("response.in_progress", response=self._object("in_progress")),
+        ]
 
     def text(self, piece: str) -> list[dict[str, Any]]:
         events = []
         if self._text_id is None:
             self._text_id, self._text = new_item_id("msg"), ""
             where = {"output_index": len(self.output)}
-            events += [self._event("response.output_item.added", **where, item=message_item(self._text_id, "", "in_progress")),
-                       self._event("response.content_part.added", item_id=self._text_id, **where, content_index=0,
-                                   part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+            events += [
+                self._event("response.output_item.added", **where, item=message_item(self._text_id, "", "in_progress")),
+                self._event(
+                    "response.content_part.added",
+                    item_id=self._text_id,
+                    **where,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                ),
+            ]
         self._text += piece
-        return events + [self._event("response.output_text.delta", item_id=self._text_id, output_index=len(self.output),
-                                     content_index=0, delta=piece, logprobs=[])]
+        return events + [
+            self._event(
+                "response.output_text.delta",
+                item_id=self._text_id,
+                output_index=len(self.output),
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+            )
+        ]
 
     def _close_text(self) -> list[dict[str, Any]]:
         if self._text_id is None:
             return []
         item = message_item(self._text_id, self._text)
         where = {"item_id": self._text_id, "output_index": len(self.output), "content_index": 0}
-        events = [self._event("response.output_text.done", **where, text=self._text, logprobs=[]),
-                  self._event("response.content_part.done", **where, part=item["content"][0]),
-                  self._event("response.output_item.done", output_index=len(self.output), item=item)]
+        events = [
+            self._event("response.output_text.done", **where, text=self._text, logprobs=[]),
+            self._event("response.content_part.done", **where, part=item["content"][0]),
+            self._event("response.output_item.done", output_index=len(self.output), item=item),
+        ]
         self.output.append(item)
         self._text_id = None
         return events
@@ -180,13 +219,24 @@ class ResponseEvents:
         events = self._close_text()
         item_id, index = new_item_id("fc"), len(self.output)
         item = function_call_item(item_id, call, self.parsed.namespaces)
-        events += [self._event("response.output_item.added", output_index=index,
-                               item=function_call_item(item_id, call, self.parsed.namespaces, "in_progress", "")),
-                   self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                               delta=item["arguments"]),
-                   self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                               name=item["name"], arguments=item["arguments"]),
-                   self._event("response.output_item.done", output_index=index, item=item)]
+        events += [
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=function_call_item(item_id, call, self.parsed.namespaces, "in_progress", ""),
+            ),
+            self._event(
+                "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=item["arguments"]
+            ),
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item_id,
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
         self.output.append(item)
         return events
 
@@ -201,8 +251,12 @@ class ResponseEvents:
 
     def failed(self, err: RpcError) -> list[dict[str, Any]]:
         error = http_errors.from_rpc(err)
-        return self._close_text() + [self._event("response.failed", response=self._object(
-            "failed", error={"code": error.code or "server_error", "message": error.message}))]
+        return self._close_text() + [
+            self._event(
+                "response.failed",
+                response=self._object("failed", error={"code": error.code or "server_error", "message": error.message}),
+            )
+        ]
 
 
 async def retrieve(request: web.Request) -> web.Response:
@@ -224,8 +278,15 @@ async def list_input_items(request: web.Request) -> web.Response:
     if stored is None:
         return _not_found(request.match_info["response_id"])
     items = [{"id": item.get("id") or new_item_id("item"), **item} for item in stored.input_items]
-    return web.json_response({"object": "list", "data": items, "has_more": False,
-                              "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": items,
+            "has_more": False,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+        }
+    )
 
 
 async def input_tokens(request: web.Request) -> web.Response:
@@ -237,5 +298,7 @@ async def input_tokens(request: web.Request) -> web.Response:
     fields: dict[str, Any] = {"messages": list(prompt.messages)}
     if prompt.tools:
         fields["tools"] = list(prompt.tools)
-    _, encoded = await handlers_of(request).intake.encode(parsed_or_error[0].params.model, parse_prompt_input(fields), generates=None)
+    _, encoded = await handlers_of(request).intake.encode(
+        parsed_or_error[0].params.model, parse_prompt_input(fields), generates=None
+    )
     return web.json_response({"object": "response.input_tokens", "input_tokens": len(encoded.tokens)})

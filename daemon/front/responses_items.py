@@ -77,7 +77,12 @@ def _normalized_item(item: Any, where: str, notes: list[str]) -> dict[str, Any] 
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
                 raise invalid(f"'{where}.{key}' must be a string", f"{where}.{key}")
-        call = {"type": "function_call", "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+        call = {
+            "type": "function_call",
+            "call_id": item["call_id"],
+            "name": item["name"],
+            "arguments": item["arguments"],
+        }
         if isinstance(item.get("namespace"), str) and item["namespace"]:
             call["namespace"] = item["namespace"]
         if isinstance(item.get("id"), str):
@@ -94,10 +99,16 @@ def _normalized_item(item: Any, where: str, notes: list[str]) -> dict[str, Any] 
             notes.append(REASONING_NOTE)
         return None
     if kind == "item_reference":
-        raise invalid(f"'{where}': item references are not supported; send the item itself, or continue a stored "
-                      "response with 'previous_response_id'", f"{where}.type")
-    raise invalid(f"'{where}.type' {kind!r} is not supported: prefixd runs no server-side tools and takes messages, "
-                  "function_call and function_call_output items", f"{where}.type")
+        raise invalid(
+            f"'{where}': item references are not supported; send the item itself, or continue a stored "
+            "response with 'previous_response_id'",
+            f"{where}.type",
+        )
+    raise invalid(
+        f"'{where}.type' {kind!r} is not supported: prefixd runs no server-side tools and takes messages, "
+        "function_call and function_call_output items",
+        f"{where}.type",
+    )
 
 
 def _text_parts(content: Any, where: str, role: str) -> list[dict[str, Any]]:
@@ -140,8 +151,11 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
             role = "system" if item["role"] in SYSTEM_ROLES else item["role"]
             messages.append({"role": role, "content": _joined_text(item["content"])})
         elif item["type"] == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": qualified_name(item), "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": qualified_name(item), "arguments": item["arguments"]},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -160,18 +174,30 @@ def qualified_name(call: dict[str, Any]) -> str:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = (
+        [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    )
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def function_call_item(item_id: str, call: dict[str, Any], namespaces: frozenset[str], status: str = "completed",
-                       arguments: str | None = None) -> dict[str, Any]:
+def function_call_item(
+    item_id: str,
+    call: dict[str, Any],
+    namespaces: frozenset[str],
+    status: str = "completed",
+    arguments: str | None = None,
+) -> dict[str, Any]:
     """prefixd's call map ({id, function: {name, arguments}}) as a function_call item."""
     name = call["function"]["name"]
     namespace, _, bare = name.partition(".")
-    item = {"id": item_id, "type": "function_call", "status": status, "call_id": call["id"],
-            "name": bare if bare and namespace in namespaces else name,
-            "arguments": call["function"]["arguments"] if arguments is None else arguments}
+    item = {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call["id"],
+        "name": bare if bare and namespace in namespaces else name,
+        "arguments": call["function"]["arguments"] if arguments is None else arguments,
+    }
     if bare and namespace in namespaces:
         item["namespace"] = namespace
     return item

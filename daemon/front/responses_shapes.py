@@ -28,12 +28,40 @@ from .http_errors import invalid, reject_unknown
 from .openai_shapes import response_format_constraint
 from .responses_items import chat_messages, normalized_items
 
-HONOURED_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-                   "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id",
-                   "metadata", "truncation", "session", "cache")
+HONOURED_FIELDS = (
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "stream",
+    "stream_options",
+    "store",
+    "previous_response_id",
+    "metadata",
+    "truncation",
+    "session",
+    "cache",
+)
 # Labels and hints: accepted, never change the answer (the notes say what was left out).
-LABEL_FIELDS = ("user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                "prompt_cache_options", "client_metadata", "reasoning", "include", "context_management", "moderation")
+LABEL_FIELDS = (
+    "user",
+    "safety_identifier",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "client_metadata",
+    "reasoning",
+    "include",
+    "context_management",
+    "moderation",
+)
 # Would change the answer or the way it is delivered, and prefixd does not do them.
 REFUSED_FIELDS = {
     "background": "background responses are not supported; send the request and wait (or stream)",
@@ -45,9 +73,15 @@ REFUSED_FIELDS = {
     "top_logprobs": "logprobs are not supported",
     "access_programs": "'access_programs' is not supported",
 }
-INCLUDE_LEFT_OUT = ("reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results",
-                    "file_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
-                    "message.input_image.image_url")
+INCLUDE_LEFT_OUT = (
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+)
 FUNCTION_TOOL_FIELDS = ("type", "name", "description", "parameters", "strict", "defer_loading")
 
 
@@ -89,7 +123,9 @@ def responses_request(body: Any, history: list[dict[str, Any]], default_max_outp
     generate: dict[str, Any] = {
         "messages": chat_messages(instructions, history + items),
         "max_tokens": default_max_output_tokens,
-        **request_fields.generate_fields(body, request_fields.FieldNames(max_tokens="max_output_tokens", seed=None, stop=None)),
+        **request_fields.generate_fields(
+            body, request_fields.FieldNames(max_tokens="max_output_tokens", seed=None, stop=None)
+        ),
         "stream": True,  # the front always reads the answer as it comes, streamed or not
     }
     if not generate["messages"]:
@@ -103,15 +139,18 @@ def responses_request(body: Any, history: list[dict[str, Any]], default_max_outp
         if choice is not None:
             generate["tool_choice"] = choice
         if body.get("parallel_tool_calls") is False and choice in (None, "auto"):
-            raise invalid("'parallel_tool_calls' false is honoured only with a 'tool_choice' that forces one call "
-                          "(\"required\" or a named function)", "parallel_tool_calls")
+            raise invalid(
+                "'parallel_tool_calls' false is honoured only with a 'tool_choice' that forces one call "
+                '("required" or a named function)',
+                "parallel_tool_calls",
+            )
     elif body.get("tool_choice") not in (None, "auto", "none"):
         raise invalid("'tool_choice' needs function 'tools' to choose from", "tool_choice")
     constraint = _text_constraint(body.get("text"))
     if constraint is not None:
         generate["constraint"] = constraint
     if body.get("truncation") not in (None, "disabled", "auto"):
-        raise invalid("'truncation' must be \"disabled\" or \"auto\"", "truncation")
+        raise invalid('\'truncation\' must be "disabled" or "auto"', "truncation")
     if body.get("truncation") == "auto":
         notes.append("truncation auto: prefixd never drops input; a prompt longer than the context is an error")
     stream, store = body.get("stream", False), body.get("store", True)
@@ -123,13 +162,29 @@ def responses_request(body: Any, history: list[dict[str, Any]], default_max_outp
         raise invalid("'previous_response_id' must be a string", "previous_response_id")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise invalid("'metadata' must be an object", "metadata")
-    echo = {key: body.get(key) for key in ("instructions", "metadata", "temperature", "top_p", "max_output_tokens",
-                                           "tool_choice", "truncation", "user", "reasoning", "prompt_cache_key",
-                                           "safety_identifier", "service_tier")}
+    echo = {
+        key: body.get(key)
+        for key in (
+            "instructions",
+            "metadata",
+            "temperature",
+            "top_p",
+            "max_output_tokens",
+            "tool_choice",
+            "truncation",
+            "user",
+            "reasoning",
+            "prompt_cache_key",
+            "safety_identifier",
+            "service_tier",
+        )
+    }
     echo["tools"] = body.get("tools") or []
     echo["text"] = body.get("text") or {"format": {"type": "text"}}
     echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
-    return ResponsesRequest(m.parse_generate(generate), items, instructions, echo, store, stream, previous, namespaces, notes)
+    return ResponsesRequest(
+        m.parse_generate(generate), items, instructions, echo, store, stream, previous, namespaces, notes
+    )
 
 
 def _label_notes(body: dict[str, Any]) -> list[str]:
@@ -200,7 +255,10 @@ def _function(tool: dict[str, Any], where: str, prefix: str) -> dict[str, Any]:
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise invalid(f"'{where}.name' must be a non-empty string", f"{where}.name")
-    function: dict[str, Any] = {"name": prefix + name, "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+    function: dict[str, Any] = {
+        "name": prefix + name,
+        "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+    }
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
@@ -214,7 +272,7 @@ def _tool_choice(choice: Any) -> Any:
         namespace = choice.get("namespace")
         name = f"{namespace}.{choice['name']}" if isinstance(namespace, str) and namespace else choice["name"]
         return {"type": "function", "function": {"name": name}}
-    raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or {type: \"function\", name}", "tool_choice")
+    raise invalid('\'tool_choice\' must be "auto", "none", "required" or {type: "function", name}', "tool_choice")
 
 
 def _text_constraint(text: Any) -> dict[str, Any] | None:
@@ -231,32 +289,49 @@ def _text_constraint(text: Any) -> dict[str, Any] | None:
         return response_format_constraint({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}})
     if isinstance(fmt, dict) and fmt.get("type") == "json_object":
         return {"json_object": True}
-    raise invalid("'text.format.type' must be \"text\", \"json_schema\" or \"json_object\"", "text.format")
+    raise invalid('\'text.format.type\' must be "text", "json_schema" or "json_object"', "text.format")
 
 
 # -- the response object --------------------------------------------------------------------
 
 
-def response_object(response_id: str, request: ResponsesRequest, model: str, created_at: int, status: str,
-                    output: list[dict[str, Any]], result: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+def response_object(
+    response_id: str,
+    request: ResponsesRequest,
+    model: str,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    result: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The Response as OpenAI shapes it; ``result`` (the generate's) adds usage and prefixd's cache figures."""
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     obj: dict[str, Any] = {
-        "id": response_id, "object": "response", "created_at": created_at, "status": status, "model": model,
-        "output": output, "error": error, "incomplete_details": incomplete,
-        "previous_response_id": request.previous_response_id, "store": request.store, "background": False,
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": error,
+        "incomplete_details": incomplete,
+        "previous_response_id": request.previous_response_id,
+        "store": request.store,
+        "background": False,
         **request.echo,
     }
     if status in ("completed", "incomplete"):
         obj["completed_at"] = int(time.time())
     if result is not None:
         cached = result["cache"]["reused_tokens"]
-        obj["usage"] = {"input_tokens": result["usage"]["prompt_tokens"],
-                        "input_tokens_details": {"cached_tokens": cached},
-                        "output_tokens": result["usage"]["completion_tokens"],
-                        "output_tokens_details": {"reasoning_tokens": 0},
-                        "total_tokens": result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]}
+        obj["usage"] = {
+            "input_tokens": result["usage"]["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": result["usage"]["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"],
+        }
         obj["prefixd_cache"] = result["cache"]
         obj["prefixd_timings"] = result["timings"]
     if request.notes:

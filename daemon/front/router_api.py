@@ -82,7 +82,9 @@ async def loads(request: web.Request) -> web.Response:
     """The engine's queue and KV figures in SGLang's ``/v1/loads`` schema (one rank), plus the prefix store's."""
     handlers = request.app[HANDLERS_KEY]
     stats = await handlers.engine.call(handlers.engine.controls.stats)
-    return web.json_response(load_report(stats, handlers.engine.settings.cache_bytes, handlers.engine.settings.max_active))
+    return web.json_response(
+        load_report(stats, handlers.engine.settings.cache_bytes, handlers.engine.settings.max_active)
+    )
 
 
 def load_report(stats: dict[str, Any], cache_bytes: int, max_active: int) -> dict[str, Any]:
@@ -102,18 +104,29 @@ def load_report(stats: dict[str, Any], cache_bytes: int, max_active: int) -> dic
     return {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dp_rank_count": 1,
-        "loads": [{
-            "dp_rank": 0,
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting,
-            "token_usage": round(usage, 4),
-            "utilization": round(usage, 4),
-            "cache_hit_rate": round(cache["recent_reuse_ratio"], 4),
-            "max_running_requests": max_active,
-        }],
-        "prefixd_cache": {key: cache[key] for key in ("num_bytes", "max_bytes", "num_sequences", "recent_hit_rate",
-                                                      "recent_reuse_ratio", "num_evictions")},
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "num_total_reqs": running + waiting,
+                "token_usage": round(usage, 4),
+                "utilization": round(usage, 4),
+                "cache_hit_rate": round(cache["recent_reuse_ratio"], 4),
+                "max_running_requests": max_active,
+            }
+        ],
+        "prefixd_cache": {
+            key: cache[key]
+            for key in (
+                "num_bytes",
+                "max_bytes",
+                "num_sequences",
+                "recent_hit_rate",
+                "recent_reuse_ratio",
+                "num_evictions",
+            )
+        },
     }
 
 
@@ -123,19 +136,22 @@ async def server_info(request: web.Request) -> web.Response:
     engine = handlers.engine
     default = engine.default_model
     card = engine.cards.get(default) if default is not None else None
-    return web.json_response({
-        "served_model_name": default,
-        "context_length": card.context_length if card is not None else None,
-        "max_running_requests": engine.settings.max_active,
-        "dp_size": 1,
-        "is_embedding": False,
-        "version": f"prefixd {DAEMON_VERSION}",
-        "prefixd_models": list(engine.model_names),
-    })
+    return web.json_response(
+        {
+            "served_model_name": default,
+            "context_length": card.context_length if card is not None else None,
+            "max_running_requests": engine.settings.max_active,
+            "dp_size": 1,
+            "is_embedding": False,
+            "version": f"prefixd {DAEMON_VERSION}",
+            "prefixd_models": list(engine.model_names),
+        }
+    )
 
 
 async def model_info(request: web.Request) -> web.Response:
     """SGLang's model info. No model or tokenizer path: a router elsewhere cannot read this machine's files,
     and a router on HTTP routes by request text, so it needs no tokenizer."""
-    return web.json_response({"is_generation": True, "has_image_understanding": False,
-                              "has_audio_understanding": False})
+    return web.json_response(
+        {"is_generation": True, "has_image_understanding": False, "has_audio_understanding": False}
+    )

@@ -25,12 +25,26 @@ from .http_errors import invalid
 GREEDY_EXACT = ("top_k", "min_p", "typical_p")
 # Accepted at the value that turns them off.
 NEUTRAL_VALUES: dict[str, float] = {
-    "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0, "tfs_z": 1.0,
-    "dry_multiplier": 0.0, "xtc_probability": 0.0,
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "mirostat": 0,
+    "tfs_z": 1.0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
 }
 # Only shape a penalty's window or its side effects: nothing while every penalty is neutral.
-PENALTY_SHAPES = ("repeat_last_n", "penalize_newline", "mirostat_tau", "mirostat_eta", "dry_base",
-                  "dry_allowed_length", "dry_penalty_last_n", "xtc_threshold", "min_keep")
+PENALTY_SHAPES = (
+    "repeat_last_n",
+    "penalize_newline",
+    "mirostat_tau",
+    "mirostat_eta",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "xtc_threshold",
+    "min_keep",
+)
 
 
 def check_sampling_extras(fields: dict[str, Any], temperature: float, where: str = "") -> list[str]:
@@ -48,13 +62,18 @@ def check_sampling_extras(fields: dict[str, Any], temperature: float, where: str
             check_field_kind(value, where + name, FIELD_KINDS[name])
         if name in GREEDY_EXACT:
             if temperature > 0:
-                raise invalid(f"'{where}{name}' is not supported with temperature > 0 (prefixd samples with temperature "
-                              f"and top_p only); at temperature 0 it is accepted, as it cannot change a greedy answer",
-                              where + name)
+                raise invalid(
+                    f"'{where}{name}' is not supported with temperature > 0 (prefixd samples with temperature "
+                    f"and top_p only); at temperature 0 it is accepted, as it cannot change a greedy answer",
+                    where + name,
+                )
             notes.append(f"{where}{name}: no effect under greedy decoding (temperature 0)")
         elif name in NEUTRAL_VALUES:
             if not _is_number(value) or value != NEUTRAL_VALUES[name]:
-                raise invalid(f"'{where}{name}' is not supported except at its neutral value {NEUTRAL_VALUES[name]:g}", where + name)
+                raise invalid(
+                    f"'{where}{name}' is not supported except at its neutral value {NEUTRAL_VALUES[name]:g}",
+                    where + name,
+                )
         elif name in PENALTY_SHAPES:
             continue  # every penalty is neutral (checked above), so these shape nothing
         else:

@@ -52,8 +52,9 @@ class ToolCalls:
         self._intake = intake
         self._models: dict[str, ModelTools] = {}  # fingerprint -> what its tokenizer says
 
-    async def prepare(self, params: GenerateParams, card: ModelCard,
-                      msgid: int | None) -> tuple[GenerateParams, "ToolCallReader | None"]:
+    async def prepare(
+        self, params: GenerateParams, card: ModelCard, msgid: int | None
+    ) -> tuple[GenerateParams, "ToolCallReader | None"]:
         """The params to run (with the forced call's constraint when the choice forces one) and the answer's reader.
 
         No reader when the request has no tools or its ``tool_choice`` is
@@ -67,20 +68,28 @@ class ToolCalls:
         if model is None:  # the tokenizer is read on the encode threads, never on the loop while they encode
             model = self._models[card.fingerprint] = await self._intake.run(read_model_tools, card)
         if model.call_format is None:
-            raise RpcError(ErrorCode.INVALID_PARAMS, f"model {card.name}'s chat template writes tool calls in no "
-                                                     "format prefixd reads, so its calls could not be returned")
+            raise RpcError(
+                ErrorCode.INVALID_PARAMS,
+                f"model {card.name}'s chat template writes tool calls in no "
+                "format prefixd reads, so its calls could not be returned",
+            )
         if params.tool_choice.forces_call:
             if params.constraint is not None:
-                raise RpcError(ErrorCode.INVALID_PARAMS, "a 'tool_choice' that forces a call constrains the answer "
-                                                         "itself: it cannot go with a constraint of the answer's shape")
+                raise RpcError(
+                    ErrorCode.INVALID_PARAMS,
+                    "a 'tool_choice' that forces a call constrains the answer "
+                    "itself: it cannot go with a constraint of the answer's shape",
+                )
             try:
                 constraint = forced_tool_call(tools, model.call_format, params.tool_choice.function, model.added_tokens)
             except ValueError as exc:
-                raise RpcError(ErrorCode.INVALID_PARAMS, f"'tool_choice' cannot force a call on model {card.name}: {exc}",
-                               {"param": "tool_choice"}) from None
+                raise RpcError(
+                    ErrorCode.INVALID_PARAMS,
+                    f"'tool_choice' cannot force a call on model {card.name}: {exc}",
+                    {"param": "tool_choice"},
+                ) from None
             params = dataclasses.replace(params, constraint=constraint)
         return params, ToolCallReader(model.call_format, msgid, params.stream)
-
 
     async def remember_answer(self, card: ModelCard, job: GenerateJob, reply: dict[str, Any]) -> None:
         """Before the reply goes out: the next turn, holding this answer, is encoded with the answer's own tokens.
@@ -92,7 +101,11 @@ class ToolCalls:
         stop matching there. Awaited so that a client's next turn cannot
         outrun it; a failure costs reuse, never the reply.
         """
-        if reply["finish_reason"] not in (FINISH_STOP, FINISH_TOOL_CALLS) or not job.answer_tokens or job.encoded is None:
+        if (
+            reply["finish_reason"] not in (FINISH_STOP, FINISH_TOOL_CALLS)
+            or not job.answer_tokens
+            or job.encoded is None
+        ):
             return  # an answer cut short is not sent back whole
         try:
             await self._intake.run(card.encoder.remember_answer, job.encoded, job.answer_tokens)
@@ -135,15 +148,20 @@ class ToolCallReader:
 
     def finish(self, result: dict[str, Any], on_chunk: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         """The reply with ``tool_calls``; what the stream still held goes to ``on_chunk`` first, as one last chunk."""
-        unseen = result["text"][self._num_fed_chars:]  # all of it when nothing was streamed
+        unseen = result["text"][self._num_fed_chars :]  # all of it when nothing was streamed
         num_calls = len(self._calls)
-        tail = self._rewritten({"id": self.msgid, "text": "", "tokens": [], "index": self._next_chunk_index},
-                               self._stream.feed(unseen) + self._stream.finish())
+        tail = self._rewritten(
+            {"id": self.msgid, "text": "", "tokens": [], "index": self._next_chunk_index},
+            self._stream.feed(unseen) + self._stream.finish(),
+        )
         if self.streams and on_chunk is not None and (tail["text"] or len(self._calls) > num_calls):
             on_chunk(tail)
         text = "".join(self._pieces)
-        reply = {**result, "text": text.strip() if self._calls else text,
-                 "tool_calls": [call.to_openai() for call in self._calls]}
+        reply = {
+            **result,
+            "text": text.strip() if self._calls else text,
+            "tool_calls": [call.to_openai() for call in self._calls],
+        }
         if self._calls and result["finish_reason"] == FINISH_STOP:
             reply["finish_reason"] = FINISH_TOOL_CALLS
         return reply

@@ -50,15 +50,22 @@ def grammar_text(constraint: Constraint) -> str:
         if kind == LARK:
             return LLMatcher.grammar_from_lark(constraint.source)
     except ValueError as exc:  # grammar_from_json_schema: not a JSON object
-        raise ConstraintError(f"'constraint.{kind}' does not compile: {_short(str(exc))}", f"constraint.{kind}") from None
+        raise ConstraintError(
+            f"'constraint.{kind}' does not compile: {_short(str(exc))}", f"constraint.{kind}"
+        ) from None
     raise ConstraintError(f"'constraint' kind {kind!r} is not one this daemon knows", "constraint")
 
 
 class GrammarCompiler:
     """One model's constraints -> matchers. ``tokenizer``: the model's Hugging Face tokenizer (fast)."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int], model_name: str = "",
-                 max_grammars: int = MAX_GRAMMARS_PER_MODEL):
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        eos_token_ids: Iterable[int],
+        model_name: str = "",
+        max_grammars: int = MAX_GRAMMARS_PER_MODEL,
+    ):
         self._hf_tokenizer = hf_tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
@@ -93,8 +100,10 @@ class GrammarCompiler:
             try:
                 return llguidance.hf.from_tokenizer(hf, eos_token=eos)
             except ValueError as exc:  # a slow (Python) tokenizer: llguidance needs the Rust one
-                self._tokenizer_error = (f"model {self.model_name!r} cannot decode under a constraint: its tokenizer "
-                                         f"is not usable by llguidance ({exc})")
+                self._tokenizer_error = (
+                    f"model {self.model_name!r} cannot decode under a constraint: its tokenizer "
+                    f"is not usable by llguidance ({exc})"
+                )
                 return None
             except RuntimeError:  # another thread held the tokenizer's state mutably for a moment
                 if attempt == 2:
@@ -112,12 +121,16 @@ class GrammarCompiler:
         grammar = grammar_text(constraint)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise ConstraintError(f"'constraint.{constraint.kind}' does not compile: {_short(messages[0])}",
-                                  f"constraint.{constraint.kind}")
+            raise ConstraintError(
+                f"'constraint.{constraint.kind}' does not compile: {_short(messages[0])}",
+                f"constraint.{constraint.kind}",
+            )
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(f"'constraint.{constraint.kind}' does not compile: {_short(matcher.get_error())}",
-                                  f"constraint.{constraint.kind}")
+            raise ConstraintError(
+                f"'constraint.{constraint.kind}' does not compile: {_short(matcher.get_error())}",
+                f"constraint.{constraint.kind}",
+            )
         with self._lock:
             self._grammars[constraint] = matcher
             self._grammars.move_to_end(constraint)

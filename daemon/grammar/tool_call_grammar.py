@@ -25,8 +25,12 @@ HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _DEFS_KEYS = ("$defs", "definitions")
 
 
-def forced_tool_call(tools: Iterable[dict[str, Any]], call_format: ToolCallFormat, function: str | None = None,
-                     special_tokens: Collection[str] = ()) -> Constraint:
+def forced_tool_call(
+    tools: Iterable[dict[str, Any]],
+    call_format: ToolCallFormat,
+    function: str | None = None,
+    special_tokens: Collection[str] = (),
+) -> Constraint:
     """The Constraint of one call to one of ``tools`` (OpenAI tool maps), or to ``function`` only.
 
     Raises ValueError for a format with no grammar here, or a ``function``
@@ -43,10 +47,13 @@ def forced_tool_call(tools: Iterable[dict[str, Any]], call_format: ToolCallForma
     elif family in HERMES_FAMILIES or (call_format.start, call_format.end) == (HERMES_START, HERMES_END):
         arguments_key, start, end = "arguments", call_format.start + "\n", "\n" + call_format.end
     else:
-        raise ValueError(f"no forced-call grammar for the {family!r} tool-call format "
-                         "(only Hermes/Qwen <tool_call> JSON and Llama 3 JSON)")
-    rules = [f"call_{n}: %json {json.dumps(call_schema(f, arguments_key), ensure_ascii=False)}"
-             for n, f in enumerate(chosen)]
+        raise ValueError(
+            f"no forced-call grammar for the {family!r} tool-call format "
+            "(only Hermes/Qwen <tool_call> JSON and Llama 3 JSON)"
+        )
+    rules = [
+        f"call_{n}: %json {json.dumps(call_schema(f, arguments_key), ensure_ascii=False)}" for n, f in enumerate(chosen)
+    ]
     body = " | ".join(f"call_{n}" for n in range(len(chosen)))
     top = " ".join(part for part in (_literal(start, special_tokens), "call", _literal(end, special_tokens)) if part)
     return Constraint.lark("\n".join([f"start: {top}", f"call: {body}", *rules]) + "\n")

@@ -93,8 +93,11 @@ def fork_cache(
     assert sum(s.num_tokens for s in segments) == length, "segments must cover the prefix exactly"
     assert snapshot is not None or not layout.is_hybrid, "a hybrid fork needs a state snapshot"
     windows = set(layout.window_layers)
-    full = [(position, layer_index) for position, layer_index in enumerate(layout.attention_layers)
-            if layer_index not in windows]
+    full = [
+        (position, layer_index)
+        for position, layer_index in enumerate(layout.attention_layers)
+        if layer_index not in windows
+    ]
     parts = [[s.keys[position] for s in segments] for position, _ in full]
     parts += [[s.values[position] for s in segments] for position, _ in full]
     if len(segments) > FORK_GROUP and (GROUPED_FORK if GROUPED_FORK is not None else on_cuda()):

@@ -64,8 +64,10 @@ def window_range(layer_cache: Any, start: int, end: int) -> tuple[mx.array, mx.a
     if stop <= size:
         return keys[..., begin:stop, :], values[..., begin:stop, :]
     wrap = stop - size
-    return (mx.concatenate([keys[..., begin:, :], keys[..., :wrap, :]], axis=2),
-            mx.concatenate([values[..., begin:, :], values[..., :wrap, :]], axis=2))
+    return (
+        mx.concatenate([keys[..., begin:, :], keys[..., :wrap, :]], axis=2),
+        mx.concatenate([values[..., begin:, :], values[..., :wrap, :]], axis=2),
+    )
 
 
 def _kept_range(layer_cache: Any, start: int, end: int) -> tuple[mx.array, mx.array] | None:
@@ -170,8 +172,9 @@ class BatchWindowKVCache(BatchRotatingKVCache):
         return cache
 
 
-def window_cache(window_size: int, keys: mx.array | None = None, values: mx.array | None = None,
-                 depth: int = 0) -> WindowKVCache:
+def window_cache(
+    window_size: int, keys: mx.array | None = None, values: mx.array | None = None, depth: int = 0
+) -> WindowKVCache:
     """A window layer at ``depth`` holding ``keys``/``values``: the last min(depth, window_size) positions, in order."""
     cache = WindowKVCache(window_size)
     if depth:

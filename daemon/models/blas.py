@@ -41,7 +41,7 @@ def preload_blas() -> str | None:
     if "mlx.core" in sys.modules:
         # Too late: MLX already bound its BLAS symbols.
         return None
-    for name in ([choice] if choice else _CANDIDATES):
+    for name in [choice] if choice else _CANDIDATES:
         try:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
@@ -49,4 +49,3 @@ def preload_blas() -> str | None:
         _loaded = name
         return name
     return None
-

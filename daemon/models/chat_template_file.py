@@ -59,7 +59,9 @@ def read_chat_templates(entries: Iterable[str]) -> tuple[ChatTemplateFile, ...]:
         except UnicodeDecodeError:
             raise ChatTemplateError(f"chat template file {path} is not UTF-8 text (--chat-template {entry})") from None
         except OSError as exc:
-            raise ChatTemplateError(f"cannot read chat template file {path}: {exc.strerror} (--chat-template {entry})") from None
+            raise ChatTemplateError(
+                f"cannot read chat template file {path}: {exc.strerror} (--chat-template {entry})"
+            ) from None
         if not source.strip():
             raise ChatTemplateError(f"chat template file {path} is empty (--chat-template {entry})")
         if model in files:
@@ -73,7 +75,9 @@ def template_for(templates: Mapping[str, ChatTemplateFile], name: str, is_defaul
     """The template given for the model ``name`` (by its name, or as the default model's), if any."""
     named, default = templates.get(name), templates.get(DEFAULT_MODEL) if is_default else None
     if named is not None and default is not None:
-        raise ChatTemplateError(f"two chat templates for model {name}: {default.path} (the default model's) and {named.path}")
+        raise ChatTemplateError(
+            f"two chat templates for model {name}: {default.path} (the default model's) and {named.path}"
+        )
     return named or default
 
 
@@ -88,10 +92,13 @@ def check_all_used(templates: Mapping[str, ChatTemplateFile], names: Iterable[st
 def check_renders(tokenizer: Any, file: ChatTemplateFile, model: str) -> None:
     """The template, as the model's tokenizer compiles it, renders a one-message chat."""
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+        )
     except Exception as exc:  # a Jinja syntax error, an undefined filter, a raise_exception in the template
-        raise ChatTemplateError(f"{file.flag}: the template does not render a one-message chat for model {model}: "
-                                f"{type(exc).__name__}: {exc}") from None
+        raise ChatTemplateError(
+            f"{file.flag}: the template does not render a one-message chat for model {model}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     if "hello" not in text:
         raise ChatTemplateError(f"{file.flag}: the template leaves out a message's content (model {model})")

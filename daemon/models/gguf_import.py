@@ -26,7 +26,12 @@ from .gguf_conversion.errors import GGUFImportError  # noqa: E402
 from .gguf_conversion.reader import GGUFFile  # noqa: E402
 from .gguf_conversion.tokenizer import check_tokenizer, save_tokenizer  # noqa: E402
 from .gguf_conversion.weights import (  # noqa: E402
-    DTYPES, ShardWriter, convert_tensor, quantization_config, resolve_dtype)
+    DTYPES,
+    ShardWriter,
+    convert_tensor,
+    quantization_config,
+    resolve_dtype,
+)
 
 __all__ = ["DTYPES", "GGUFImportError", "import_gguf", "read_import_record", "resolve_dtype"]
 
@@ -39,9 +44,13 @@ _RECORD_FORMAT = 2
 def _fingerprint(path: Path, dtype: str) -> dict:
     with open(path, "rb") as f:
         head = f.read(1 << 20)  # hashing all of a multi-GB file on every start would be slow
-    return {"format": _RECORD_FORMAT, "source_name": path.name,
-            "source_size": path.stat().st_size,
-            "source_sha256_first_mib": hashlib.sha256(head).hexdigest(), "dtype": dtype}
+    return {
+        "format": _RECORD_FORMAT,
+        "source_name": path.name,
+        "source_size": path.stat().st_size,
+        "source_sha256_first_mib": hashlib.sha256(head).hexdigest(),
+        "dtype": dtype,
+    }
 
 
 def read_import_record(out_dir: str | os.PathLike) -> dict | None:
@@ -55,14 +64,18 @@ def read_import_record(out_dir: str | os.PathLike) -> dict | None:
 def is_current_import(out_dir: str | os.PathLike, source_name: str, dtype: str) -> bool:
     """Whether out_dir holds an import of a file so named, with this dtype, by this importer."""
     record = read_import_record(out_dir)
-    return (record is not None and record.get("format") == _RECORD_FORMAT
-            and record.get("source_name") == source_name
-            and record.get("dtype") == resolve_dtype(dtype)
-            and (Path(out_dir) / "config.json").is_file())
+    return (
+        record is not None
+        and record.get("format") == _RECORD_FORMAT
+        and record.get("source_name") == source_name
+        and record.get("dtype") == resolve_dtype(dtype)
+        and (Path(out_dir) / "config.json").is_file()
+    )
 
 
-def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
-                dtype: str = "auto", progress: bool | None = None) -> Path:
+def import_gguf(
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "auto", progress: bool | None = None
+) -> Path:
     """Convert a GGUF into an mlx-lm model directory at out_dir; return out_dir.
 
     dtype: one of DTYPES (see gguf_conversion/weights.py; "auto" is float32 on a CPU, q8 on a
@@ -120,8 +133,7 @@ def _with_progress(source: GGUFFile, names: dict[str, str], show: bool):
     from tqdm import tqdm
 
     total = sum(source.num_bytes(n) for n in names)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {source.name}",
-              disable=not show) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {source.name}", disable=not show) as bar:
         for gguf_name, mlx_name in names.items():
             yield gguf_name, mlx_name
             bar.update(source.num_bytes(gguf_name))

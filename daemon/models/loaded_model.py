@@ -72,7 +72,9 @@ class LoadedModel:
         if num_tokens < 16 or seconds <= 0:
             return
         rate = num_tokens / seconds
-        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
+        self.prefill_tokens_per_s = (
+            rate if not self.prefill_tokens_per_s else 0.7 * self.prefill_tokens_per_s + 0.3 * rate
+        )
 
 
 def model_description(model: Any, default: bool, attention: str | None) -> dict[str, Any]:
@@ -91,9 +93,15 @@ def model_description(model: Any, default: bool, attention: str | None) -> dict[
     }
 
 
-def load_model(spec: str, name: str | None = None, dtype: str = "auto", attention: str = "auto",
-               load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load, conv: str = "auto",
-               chat_template: str | None = None) -> LoadedModel:
+def load_model(
+    spec: str,
+    name: str | None = None,
+    dtype: str = "auto",
+    attention: str = "auto",
+    load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load,
+    conv: str = "auto",
+    chat_template: str | None = None,
+) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
     ``attention``: how short multi-token passes attend (tail_attention.py).
@@ -159,7 +167,8 @@ def refuse_unbatchable(model: Any, path: Path) -> None:
         raise UnsupportedModelError(
             f"{path.name}: its cache layers ({', '.join(names)}) cannot be batched by mlx-lm (no merge), so "
             "two requests could not decode together; prefixd refuses the model at load rather than fail "
-            "its requests")
+            "its requests"
+        )
 
 
 def resolve_model_path(spec: str) -> Path:

@@ -28,8 +28,15 @@ from mlx_lm.utils import load_tokenizer
 from ..kv.layout import CacheLayout, make_cache_layout
 from .chat_template_file import ChatTemplateError, ChatTemplateFile, check_all_used, check_renders, template_for
 from .generic_tools import tools_path
-from .loaded_model import (ModelCard, _context_length, model_description, model_fingerprint, refuse_unbatchable,
-                           resolve_model_path, tokenizer_extra)
+from .loaded_model import (
+    ModelCard,
+    _context_length,
+    model_description,
+    model_fingerprint,
+    refuse_unbatchable,
+    resolve_model_path,
+    tokenizer_extra,
+)
 from .prompt_encoding import PromptEncoder
 
 log = structlog.get_logger("prefixd.models")
@@ -57,8 +64,9 @@ class CatalogEntry:
         return model_description(self, default, None)
 
 
-def describe_models(specs: Iterable[str], dtype: str, found_specs: Iterable[str] = (),
-                    chat_templates: Iterable[ChatTemplateFile] = ()) -> dict[str, CatalogEntry]:
+def describe_models(
+    specs: Iterable[str], dtype: str, found_specs: Iterable[str] = (), chat_templates: Iterable[ChatTemplateFile] = ()
+) -> dict[str, CatalogEntry]:
     """Every configured model by name, in order (a repeated name gets a ``-N`` suffix, as before).
 
     ``specs`` (``--model``) must all be servable: the first that is not raises.
@@ -88,8 +96,9 @@ def describe_models(specs: Iterable[str], dtype: str, found_specs: Iterable[str]
     return entries
 
 
-def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None,
-                   templates: Mapping[str, ChatTemplateFile] | None = None) -> CatalogEntry:
+def describe_model(
+    spec: str, dtype: str, taken: dict[str, Any] | None = None, templates: Mapping[str, ChatTemplateFile] | None = None
+) -> CatalogEntry:
     """Raises what load_model would for a missing directory or a model the engine cannot batch."""
     path = resolve_model_path(spec)
     model, config = mlx_lm_load_model(path, lazy=True)
@@ -123,4 +132,3 @@ def describe_model(spec: str, dtype: str, taken: dict[str, Any] | None = None,
         card=ModelCard(name, fingerprint, context_length, encoder),
         chat_template=chat_template,
     )
-

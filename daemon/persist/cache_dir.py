@@ -59,7 +59,9 @@ class DiskCache:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             handle.close()
-            log.warning("disk_cache_busy", dir=str(self.root), action="another prefixd uses this cache dir: not persisting")
+            log.warning(
+                "disk_cache_busy", dir=str(self.root), action="another prefixd uses this cache dir: not persisting"
+            )
             return False
         self._lock_handle = handle
         return True

@@ -31,7 +31,9 @@ class DiskKVSegment(KVSegment):
 
     def split(self, n: int) -> tuple[DiskKVSegment, DiskKVSegment]:
         head, tail = super().split(n)
-        return DiskKVSegment(head.keys, head.values, head.num_tokens), DiskKVSegment(tail.keys, tail.values, tail.num_tokens)
+        return DiskKVSegment(head.keys, head.values, head.num_tokens), DiskKVSegment(
+            tail.keys, tail.values, tail.num_tokens
+        )
 
 
 # -- export ------------------------------------------------------------------------------------------
@@ -98,8 +100,9 @@ class ImportResult:
     failed: list[tuple[Any, str]] = field(default_factory=list)  # (path, error): importing it raised
 
 
-def import_entries(store: PrefixStore, layouts: dict[str, CacheLayout], entries: list[tuple[EntryHeader, bytes]],
-                   state: ImportState) -> ImportResult:
+def import_entries(
+    store: PrefixStore, layouts: dict[str, CacheLayout], entries: list[tuple[EntryHeader, bytes]], state: ImportState
+) -> ImportResult:
     """Insert verified entries (parents first) into the store without evicting anything.
 
     ``layouts`` maps a loaded model's fingerprint to its CacheLayout. An entry
@@ -159,9 +162,15 @@ def _decode(header: EntryHeader, payload: bytes, layout: CacheLayout) -> tuple[D
     if header.snapshot is not None:
         if len(header.snapshot) != len(layout.state_layers):
             raise ValueError(f"state snapshot has {len(header.snapshot)} layers, the model {len(layout.state_layers)}")
-        states = [[arrays.get(f"s{layer}.{j}") if present else None for j, present in enumerate(flags)]
-                  for layer, flags in enumerate(header.snapshot)]
-        if any(state is None and present for layer, flags in zip(states, header.snapshot) for state, present in zip(layer, flags)):
+        states = [
+            [arrays.get(f"s{layer}.{j}") if present else None for j, present in enumerate(flags)]
+            for layer, flags in enumerate(header.snapshot)
+        ]
+        if any(
+            state is None and present
+            for layer, flags in zip(states, header.snapshot)
+            for state, present in zip(layer, flags)
+        ):
             raise ValueError("state snapshot arrays are missing")
         snapshot = StateSnapshot(states)
     segment = DiskKVSegment(keys, values, len(header.key))

@@ -91,8 +91,15 @@ def encode_entries(edges: list[PlannedEdge], payloads: list[bytes], mlx_version:
     encoded = []
     for edge, payload in zip(edges, payloads, strict=True):
         node = edge.stored
-        header = EntryHeader(fingerprint=edge.fingerprint, mlx=mlx_version, start=node.start_depth,
-                             start_sha=edge.start_sha, key=list(node.key), kind=node.kind,
-                             snapshot=snapshot_flags(node), nbytes=node.nbytes)
+        header = EntryHeader(
+            fingerprint=edge.fingerprint,
+            mlx=mlx_version,
+            start=node.start_depth,
+            start_sha=edge.start_sha,
+            key=list(node.key),
+            kind=node.kind,
+            snapshot=snapshot_flags(node),
+            nbytes=node.nbytes,
+        )
         encoded.append((edge.ident, edge.fingerprint, encode_entry(header, payload)))
     return encoded

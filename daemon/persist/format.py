@@ -106,16 +106,26 @@ def _check_field_types(header: EntryHeader) -> None:
     The checksum catches damage; this catches a header that some other
     writer (or a bug) produced with a valid checksum but unusable fields.
     """
+
     def whole(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
     snapshot = header.snapshot
-    usable = (whole(header.start) and whole(header.nbytes) and isinstance(header.start_sha, str)
-              and isinstance(header.fingerprint, str) and isinstance(header.mlx, str)
-              and isinstance(header.key, list) and len(header.key) > 0
-              and (header.kind is None or isinstance(header.kind, str))
-              and (snapshot is None or isinstance(snapshot, list) and all(
-                  isinstance(flags, list) and all(isinstance(flag, bool) for flag in flags) for flags in snapshot)))
+    usable = (
+        whole(header.start)
+        and whole(header.nbytes)
+        and isinstance(header.start_sha, str)
+        and isinstance(header.fingerprint, str)
+        and isinstance(header.mlx, str)
+        and isinstance(header.key, list)
+        and len(header.key) > 0
+        and (header.kind is None or isinstance(header.kind, str))
+        and (
+            snapshot is None
+            or isinstance(snapshot, list)
+            and all(isinstance(flags, list) and all(isinstance(flag, bool) for flag in flags) for flags in snapshot)
+        )
+    )
     if usable:
         try:
             token_bytes(header.key)  # u32 token ids, checked at C speed
@@ -130,7 +140,7 @@ def read_header(path: Path) -> EntryHeader:
         head = handle.read(len(MAGIC) + _LENGTH.size)
         if len(head) < len(MAGIC) + _LENGTH.size or not head.startswith(MAGIC):
             raise BadEntry("not a prefixd cache entry (bad magic or truncated)")
-        (length,) = _LENGTH.unpack(head[len(MAGIC):])
+        (length,) = _LENGTH.unpack(head[len(MAGIC) :])
         if length > _MAX_HEADER_BYTES:
             raise BadEntry("header length out of range")
         raw = handle.read(length)
@@ -144,9 +154,9 @@ def read_header(path: Path) -> EntryHeader:
 def read_payload(header: EntryHeader) -> bytes:
     """The payload of a file whose header was read, after checking its checksum."""
     data = header.path.read_bytes()
-    (length,) = _LENGTH.unpack(data[len(MAGIC):len(MAGIC) + _LENGTH.size])
-    payload = data[len(MAGIC) + _LENGTH.size + length:]
-    if _parse_header(data[len(MAGIC) + _LENGTH.size:][:length]) != header:
+    (length,) = _LENGTH.unpack(data[len(MAGIC) : len(MAGIC) + _LENGTH.size])
+    payload = data[len(MAGIC) + _LENGTH.size + length :]
+    if _parse_header(data[len(MAGIC) + _LENGTH.size :][:length]) != header:
         raise BadEntry("changed since it was scanned")
     if _checksum(header.fields(), payload) != header.sha256:
         raise BadEntry("checksum mismatch (truncated or corrupted)")

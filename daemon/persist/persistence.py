@@ -121,5 +121,10 @@ class Persistence:
             self.counts["written"] += written
             self.counts["pruned"] += pruned
             if written or pruned:
-                log.info("disk_cache_saved", written=written, pruned=pruned, kept=len(plan.live),
-                         save_s=round(time.monotonic() - started, 3))
+                log.info(
+                    "disk_cache_saved",
+                    written=written,
+                    pruned=pruned,
+                    kept=len(plan.live),
+                    save_s=round(time.monotonic() - started, 3),
+                )

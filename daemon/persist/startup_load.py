@@ -62,9 +62,15 @@ class StartupLoad:
         finally:
             self.finish()
             self._read_ahead.clear()
-        log.info("disk_cache_loaded", dir=str(self.disk.root), imported=self.counts["imported"],
-                 skipped=self.counts["skipped"], orphans=self.counts["orphans"], failed=self.counts["failed"],
-                 load_s=round(time.monotonic() - started, 3))
+        log.info(
+            "disk_cache_loaded",
+            dir=str(self.disk.root),
+            imported=self.counts["imported"],
+            skipped=self.counts["skipped"],
+            orphans=self.counts["orphans"],
+            failed=self.counts["failed"],
+            load_s=round(time.monotonic() - started, 3),
+        )
 
     def finish(self) -> None:
         """Mark the load over (also when it never ran): prefetches return at once from now on."""
@@ -121,8 +127,14 @@ class StartupLoad:
                 self._prefetches.add(task)
                 task.add_done_callback(self._prefetches.discard)
                 await asyncio.shield(task)
-            log.debug("disk_cache_prefetched", prompt_tokens=len(tokens), entries=len(along), wanted=len(wanted),
-                      wait_scan_s=round(scanned - started, 3), prefetch_s=round(time.monotonic() - started, 3))
+            log.debug(
+                "disk_cache_prefetched",
+                prompt_tokens=len(tokens),
+                entries=len(along),
+                wanted=len(wanted),
+                wait_scan_s=round(scanned - started, 3),
+                prefetch_s=round(time.monotonic() - started, 3),
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -169,10 +181,16 @@ class StartupLoad:
         orphan for a prefetch (its parent's file was bad) reaches the load too.
         """
         try:
-            result = await self.engine.call(lambda: import_entries(self.engine.store, self._layouts, batch, self._state))
+            result = await self.engine.call(
+                lambda: import_entries(self.engine.store, self._layouts, batch, self._state)
+            )
         except Exception as exc:  # the engine itself failed this call: the next batch may still go in
-            log.warning("disk_cache_import_failed", entries=len(batch), error=f"{type(exc).__name__}: {exc}",
-                        first_file=str(batch[0][0].path))
+            log.warning(
+                "disk_cache_import_failed",
+                entries=len(batch),
+                error=f"{type(exc).__name__}: {exc}",
+                first_file=str(batch[0][0].path),
+            )
             return False
         self._settled.update(result.imported)
         self.counts["imported"] += result.num_imported
@@ -184,8 +202,13 @@ class StartupLoad:
             self._give_up(path, error, "failed")
         if result.failed:
             path, error = result.failed[0]
-            log.warning("disk_cache_import_failed", entries=len(batch), failed=len(result.failed), error=error,
-                        first_file=str(path))
+            log.warning(
+                "disk_cache_import_failed",
+                entries=len(batch),
+                failed=len(result.failed),
+                error=error,
+                first_file=str(path),
+            )
         if result.budget_full:
             self._budget_full = True
         return result.budget_full

@@ -51,15 +51,22 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"file": str(self.path), "file_found": self.file_found,
-             "settings": {key: {"value": _plain(value), "source": self.sources[key]} for key, value in self.values.items()}},
+            {
+                "file": str(self.path),
+                "file_found": self.file_found,
+                "settings": {
+                    key: {"value": _plain(value), "source": self.sources[key]} for key, value in self.values.items()
+                },
+            },
             indent=2,
         )
 
     def to_toml(self) -> str:
         """The effective configuration as a config.toml, each line commented with its source."""
         found = "" if self.file_found else ", not found"
-        lines = [f"# prefixd configuration: flags > environment (PREFIXD_*) > {self.path} ({self.path_source}{found}) > defaults"]
+        lines = [
+            f"# prefixd configuration: flags > environment (PREFIXD_*) > {self.path} ({self.path_source}{found}) > defaults"
+        ]
         rows = []
         for key, value in self.values.items():
             source = self.sources[key]

@@ -102,12 +102,18 @@ def _adopt_stderr_handlers(ours: logging.Handler) -> None:
         if not isinstance(logger, logging.Logger):
             continue  # a placeholder for a logger never created
         for handler in list(logger.handlers):
-            if handler is not ours and isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
+            if (
+                handler is not ours
+                and isinstance(handler, logging.StreamHandler)
+                and handler.stream in (sys.stderr, sys.__stderr__)
+            ):
                 logger.removeHandler(handler)
                 logger.propagate = True
 
 
-def _exception_fields(exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None) -> dict[str, Any]:
+def _exception_fields(
+    exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
+) -> dict[str, Any]:
     return {
         "exc_type": exc_type.__name__,
         "message": str(exc) if exc is not None else "",
@@ -134,15 +140,17 @@ def _log_unraisable_exception(unraisable: Any) -> None:
     except Exception:  # the object's own repr may be what is broken
         pass
     try:
-        structlog.get_logger("prefixd").error("unraisable_exception", thread=threading.current_thread().name, where=where, **fields)
+        structlog.get_logger("prefixd").error(
+            "unraisable_exception", thread=threading.current_thread().name, where=where, **fields
+        )
     except Exception:
         sys.__unraisablehook__(unraisable)
 
 
-def _log_or_fall_back(event: str, thread_name: str, exc_type: type[BaseException], exc: BaseException | None,
-                      tb: TracebackType | None) -> None:
+def _log_or_fall_back(
+    event: str, thread_name: str, exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
+) -> None:
     try:
         structlog.get_logger("prefixd").critical(event, thread=thread_name, **_exception_fields(exc_type, exc, tb))
     except Exception:  # logging itself is broken: plain text beats losing the traceback
         sys.__excepthook__(exc_type, exc if exc is not None else exc_type(), tb)
-

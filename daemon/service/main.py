@@ -25,12 +25,22 @@ from .settings import add_flags
 def build_parser() -> argparse.ArgumentParser:
     # Each setting's flag comes from its declaration (settings.py). A flag left out
     # leaves the setting to the environment, the config file, then the default.
-    parser = argparse.ArgumentParser(prog="prefixd serve", description="Run the prefixd daemon. Every flag can also "
-                                     "be set as PREFIXD_<NAME> or in the config file (see prefixd config); "
-                                     "docs/settings.md lists them all.")
-    parser.add_argument("--config", type=Path, help="config file (default: $PREFIXD_CONFIG or $XDG_CONFIG_HOME/prefixd/config.toml)")
-    parser.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "json"],
-                        help="print the effective configuration and where each value came from, then exit")
+    parser = argparse.ArgumentParser(
+        prog="prefixd serve",
+        description="Run the prefixd daemon. Every flag can also "
+        "be set as PREFIXD_<NAME> or in the config file (see prefixd config); "
+        "docs/settings.md lists them all.",
+    )
+    parser.add_argument(
+        "--config", type=Path, help="config file (default: $PREFIXD_CONFIG or $XDG_CONFIG_HOME/prefixd/config.toml)"
+    )
+    parser.add_argument(
+        "--print-config",
+        nargs="?",
+        const="toml",
+        choices=["toml", "json"],
+        help="print the effective configuration and where each value came from, then exit",
+    )
     add_flags(parser)
     return parser
 
@@ -75,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.model and not found_models:
         where = f"no model directory in {args.models_dir}; " if args.models_dir is not None else ""
-        print(f"prefixd: no model to serve: {where}pass --model DIR, set $PREFIXD_MODEL, or add model = [\"DIR\"] to {config.path}", file=sys.stderr)
+        print(
+            f'prefixd: no model to serve: {where}pass --model DIR, set $PREFIXD_MODEL, or add model = ["DIR"] to {config.path}',
+            file=sys.stderr,
+        )
         return 2
     try:
         chat_templates = read_chat_templates(args.chat_template)
@@ -130,13 +143,29 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
     )
-    disk_cache = (DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval)
-                  if args.disk_cache_bytes else None)
-    settings = ServerSettings(socket_path=args.socket, engine=engine, grace_seconds=args.grace_seconds,
-                              http=http, allowed_uids=tuple(args.allow_uid), status_interval_seconds=args.status_interval,
-                              disk_cache=disk_cache)
-    log.info("daemon_starting", blas=blas or "bundled", mlx_env=mlx_defaults, dtype=engine.dtype, cache_bytes=cache_bytes,
-             prefill_chunk=engine.prefill_chunk or "auto", config_file=str(config.path) if config.file_found else None)
+    disk_cache = (
+        DiskCacheSettings(args.cache_dir, args.disk_cache_bytes, args.disk_save_interval)
+        if args.disk_cache_bytes
+        else None
+    )
+    settings = ServerSettings(
+        socket_path=args.socket,
+        engine=engine,
+        grace_seconds=args.grace_seconds,
+        http=http,
+        allowed_uids=tuple(args.allow_uid),
+        status_interval_seconds=args.status_interval,
+        disk_cache=disk_cache,
+    )
+    log.info(
+        "daemon_starting",
+        blas=blas or "bundled",
+        mlx_env=mlx_defaults,
+        dtype=engine.dtype,
+        cache_bytes=cache_bytes,
+        prefill_chunk=engine.prefill_chunk or "auto",
+        config_file=str(config.path) if config.file_found else None,
+    )
     # The engine thread builds each forward pass in Python and holds the GIL
     # meanwhile; with CPython's default 5 ms switch interval a token the engine
     # has handed out could wait that long for the event loop to write it.

@@ -34,8 +34,21 @@ def launch_ranks(num_ranks: int, backend: str, argv: list[str]) -> None:
     # The ring backend listens on one port per rank, from 32323 by default: two daemons on one
     # machine would collide there, so each takes ports that are free now.
     port_args = ["-p", str(free_port_range(num_ranks))]
-    os.execv(launcher, [launcher, "-n", str(num_ranks), *backend_args, *port_args, "--python", sys.executable,
-                        "-m", "prefixd.daemon", *argv])
+    os.execv(
+        launcher,
+        [
+            launcher,
+            "-n",
+            str(num_ranks),
+            *backend_args,
+            *port_args,
+            "--python",
+            sys.executable,
+            "-m",
+            "prefixd.daemon",
+            *argv,
+        ],
+    )
 
 
 def free_port_range(num_ports: int, first: int = 32323, last: int = 60000) -> int:
@@ -54,16 +67,30 @@ def free_port_range(num_ports: int, first: int = 32323, last: int = 60000) -> in
 def distributed_engine(settings: ServerSettings, args: argparse.Namespace) -> Engine:
     """This rank's engine; refuses what does not work across ranks yet, with a message saying so."""
     if settings.disk_cache is not None:
-        raise ValueError("--disk-cache-bytes is not available on a daemon spanning several ranks yet "
-                         "(each rank holds its own shard of every KV entry); leave it at 0")
+        raise ValueError(
+            "--disk-cache-bytes is not available on a daemon spanning several ranks yet "
+            "(each rank holds its own shard of every KV entry); leave it at 0"
+        )
     # The shadow check re-runs prompts whenever this rank is idle, outside the lock-step: off.
     # Models load at start and stay (below): no keep-alive, no model-memory limit.
     engine_settings = dataclasses.replace(settings.engine, shadow_rate=0.0, keep_alive_s=-1.0, max_model_bytes=0)
-    inputs = LockstepInputs(Inbox(engine_settings.max_queued, engine_settings.max_queued_per_client), DistributedSettings(
-        backend=args.distributed_backend, rank_timeout_seconds=args.rank_timeout,
-        load_timeout_seconds=settings.load_timeout_seconds, parallel=args.parallel))
+    inputs = LockstepInputs(
+        Inbox(engine_settings.max_queued, engine_settings.max_queued_per_client),
+        DistributedSettings(
+            backend=args.distributed_backend,
+            rank_timeout_seconds=args.rank_timeout,
+            load_timeout_seconds=settings.load_timeout_seconds,
+            parallel=args.parallel,
+        ),
+    )
     # Each rank loads its shard of every model, at start, whole, and keeps it: a load or an unload is a
     # collective (the sharded weights) and would split the ranks unless every rank did it at the same
     # step. No warm-up: every rank would have to run the same passes.
-    return Engine(inputs, engine_settings, load_weights=inputs.load_shard,
-                  loads_on_demand=False, unloads_idle=False, warms_up=False)
+    return Engine(
+        inputs,
+        engine_settings,
+        load_weights=inputs.load_shard,
+        loads_on_demand=False,
+        unloads_idle=False,
+        warms_up=False,
+    )

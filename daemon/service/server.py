@@ -62,8 +62,9 @@ class DaemonServer:
     def __init__(self, settings: ServerSettings, engine: Engine | None = None):
         self.settings = settings
         # A rank of several passes its own, on the lock-step's inputs (service/ranks.py).
-        self.engine = engine or Engine(LocalInputs(Inbox(settings.engine.max_queued, settings.engine.max_queued_per_client)),
-                                       settings.engine)
+        self.engine = engine or Engine(
+            LocalInputs(Inbox(settings.engine.max_queued, settings.engine.max_queued_per_client)), settings.engine
+        )
         self.handlers = Handlers(self.engine)
         self.connections: set[Connection] = set()
         self._stop_requested = asyncio.Event()
@@ -104,7 +105,9 @@ class DaemonServer:
         self._server = await asyncio.start_unix_server(self._on_client, sock=sock, backlog=LISTEN_BACKLOG)
         await self._start_http()
         self._install_signal_handlers()
-        self.notifier.notify(READY=1, MAINPID=os.getpid(), STATUS=f"serving {', '.join(self.engine.model_names)} on {path}")
+        self.notifier.notify(
+            READY=1, MAINPID=os.getpid(), STATUS=f"serving {', '.join(self.engine.model_names)} on {path}"
+        )
         if self.notifier.enabled:
             self._reporters.append(asyncio.create_task(self._report_status()))
         if self.settings.disk_cache is not None:
@@ -157,7 +160,9 @@ class DaemonServer:
             self.connections.discard(conn)
 
     def _num_in_flight(self) -> int:
-        return sum(len(conn.jobs) for conn in self.connections) + (self.http_front.num_in_flight if self.http_front else 0)
+        return sum(len(conn.jobs) for conn in self.connections) + (
+            self.http_front.num_in_flight if self.http_front else 0
+        )
 
     # -- systemd: status line and watchdog ---------------------------------------------
 
@@ -244,11 +249,18 @@ class DaemonServer:
 
         try:
             self.http_front = await start_http_front(
-                self.handlers, host=http.host, port=http.port, unix_path=http.unix_path, token=http.token,
-                peer_policy=self.peer_policy, shutdown_timeout=self.settings.grace_seconds,
+                self.handlers,
+                host=http.host,
+                port=http.port,
+                unix_path=http.unix_path,
+                token=http.token,
+                peer_policy=self.peer_policy,
+                shutdown_timeout=self.settings.grace_seconds,
                 max_output_tokens=http.max_output_tokens,
                 keep_billing_header=http.keep_billing_header,
-                responses_dir=self.settings.disk_cache.directory / RESPONSES_FOLDER if self.settings.disk_cache else None,
+                responses_dir=self.settings.disk_cache.directory / RESPONSES_FOLDER
+                if self.settings.disk_cache
+                else None,
             )
         except BaseException:
             self._remove_socket()

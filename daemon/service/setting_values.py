@@ -45,7 +45,11 @@ def parse_size(value: Any) -> int:
         raise ValueError("must be a size such as 512M or 4G")
     cleaned = value.strip().lower().removesuffix("ib").removesuffix("b")
     try:
-        size = int(float(cleaned[:-1]) * SIZE_UNITS[cleaned[-1]]) if cleaned and cleaned[-1] in SIZE_UNITS else int(cleaned)
+        size = (
+            int(float(cleaned[:-1]) * SIZE_UNITS[cleaned[-1]])
+            if cleaned and cleaned[-1] in SIZE_UNITS
+            else int(cleaned)
+        )
     except ValueError:
         raise ValueError(f"not a size: {value!r} (use e.g. 512M or 4G)") from None
     return parse_size(size)
@@ -145,7 +149,16 @@ def switch() -> ValueKind:
     def parse(value: Any) -> bool:
         if isinstance(value, bool):
             return value
-        words = {"1": True, "yes": True, "on": True, "true": True, "0": False, "no": False, "off": False, "false": False}
+        words = {
+            "1": True,
+            "yes": True,
+            "on": True,
+            "true": True,
+            "0": False,
+            "no": False,
+            "off": False,
+            "false": False,
+        }
         if isinstance(value, str) and value.strip().lower() in words:
             return words[value.strip().lower()]
         raise ValueError("must be true or false")

@@ -45,7 +45,9 @@ def _row(setting: Setting) -> str:
 def settings_markdown() -> str:
     parts = [PREFACE]
     for group in GROUPS:
-        parts.append(f"\n## {group[0].upper()}{group[1:]}\n\n| flag | key | value | default | what |\n|---|---|---|---|---|\n")
+        parts.append(
+            f"\n## {group[0].upper()}{group[1:]}\n\n| flag | key | value | default | what |\n|---|---|---|---|---|\n"
+        )
         parts.append("".join(_row(setting) + "\n" for setting in SETTINGS.values() if setting.group == group))
     return "".join(parts)
 

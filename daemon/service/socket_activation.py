@@ -46,7 +46,9 @@ def adopt_listening_socket(fd: int, origin: str = "inherited") -> socket.socket:
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM or not listening:
         kind = f"{getattr(sock.family, 'name', sock.family)}/{getattr(sock.type, 'name', sock.type)}{'' if listening else ', not listening'}"
         sock.detach()  # not ours to close
-        raise InheritedSocketError(f"fd {fd} passed by {origin} is {kind}; prefixd needs a listening Unix stream socket (ListenStream=/path)")
+        raise InheritedSocketError(
+            f"fd {fd} passed by {origin} is {kind}; prefixd needs a listening Unix stream socket (ListenStream=/path)"
+        )
     sock.set_inheritable(False)
     sock.setblocking(False)
     return sock

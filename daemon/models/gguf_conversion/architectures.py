@@ -20,9 +20,14 @@ from .errors import GGUFImportError
 
 _DENSE_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _DENSE_LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -84,50 +89,99 @@ class Architecture:
         if unknown := sorted(n for n, mapped in weights.items() if mapped is None):
             raise GGUFImportError(
                 f"tensor(s) {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''} have no "
-                f"counterpart in mlx-lm's {self.name} (a mixture of experts, a vision tower, ...)")
+                f"counterpart in mlx-lm's {self.name} (a mixture of experts, a vision tower, ...)"
+            )
         return weights
 
 
-ARCHITECTURES = {arch.name: arch for arch in [
-    Architecture("llama", configs.llama_config, _DENSE_GLOBAL, _DENSE_LAYER,
-                 transform=_llama_unpermute, config_tensors=frozenset({"rope_freqs.weight"}),
-                 end_tokens=("<|eot_id|>", "<|im_end|>")),
-    Architecture("qwen2", configs.qwen2_config, _DENSE_GLOBAL, _DENSE_LAYER,
-                 end_tokens=("<|im_end|>",)),
-    Architecture("qwen3", configs.qwen3_config, _DENSE_GLOBAL, _DENSE_LAYER | _QK_NORMS,
-                 end_tokens=("<|im_end|>",)),
-    Architecture("gemma3", configs.gemma3_config, _DENSE_GLOBAL, _QK_NORMS | {
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
-        "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    }, transform=_gemma_norm, end_tokens=("<end_of_turn>",)),
-    # Phi-3 keeps Q/K/V fused (attn_qkv) and gate/up fused (ffn_up), as mlx-lm's phi3 does
-    Architecture("phi3", configs.phi3_config, _DENSE_GLOBAL, {
-        "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-        "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
-    }, config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
-        end_tokens=("<|end|>",)),
-    # LFM2's final norm is called embedding_norm (token_embd_norm in GGUF); names as transformers'
-    Architecture("lfm2", configs.lfm2_config, {
-        "token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm",
-    }, {
-        "attn_norm": "operator_norm", "ffn_norm": "ffn_norm",
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm",
-        "attn_k_norm": "self_attn.k_layernorm", "ffn_gate": "feed_forward.w1",
-        "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
-        "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
-        "shortconv.conv": "conv.conv",
-    }, transform=_lfm2_conv, end_tokens=("<|im_end|>",)),
-]}
+ARCHITECTURES = {
+    arch.name: arch
+    for arch in [
+        Architecture(
+            "llama",
+            configs.llama_config,
+            _DENSE_GLOBAL,
+            _DENSE_LAYER,
+            transform=_llama_unpermute,
+            config_tensors=frozenset({"rope_freqs.weight"}),
+            end_tokens=("<|eot_id|>", "<|im_end|>"),
+        ),
+        Architecture("qwen2", configs.qwen2_config, _DENSE_GLOBAL, _DENSE_LAYER, end_tokens=("<|im_end|>",)),
+        Architecture(
+            "qwen3", configs.qwen3_config, _DENSE_GLOBAL, _DENSE_LAYER | _QK_NORMS, end_tokens=("<|im_end|>",)
+        ),
+        Architecture(
+            "gemma3",
+            configs.gemma3_config,
+            _DENSE_GLOBAL,
+            _QK_NORMS
+            | {
+                "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj",
+                "attn_norm": "input_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+                "ffn_gate": "mlp.gate_proj",
+                "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj",
+            },
+            transform=_gemma_norm,
+            end_tokens=("<end_of_turn>",),
+        ),
+        # Phi-3 keeps Q/K/V fused (attn_qkv) and gate/up fused (ffn_up), as mlx-lm's phi3 does
+        Architecture(
+            "phi3",
+            configs.phi3_config,
+            _DENSE_GLOBAL,
+            {
+                "attn_qkv": "self_attn.qkv_proj",
+                "attn_output": "self_attn.o_proj",
+                "attn_norm": "input_layernorm",
+                "ffn_norm": "post_attention_layernorm",
+                "ffn_up": "mlp.gate_up_proj",
+                "ffn_down": "mlp.down_proj",
+            },
+            config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+            end_tokens=("<|end|>",),
+        ),
+        # LFM2's final norm is called embedding_norm (token_embd_norm in GGUF); names as transformers'
+        Architecture(
+            "lfm2",
+            configs.lfm2_config,
+            {
+                "token_embd": "model.embed_tokens",
+                "token_embd_norm": "model.embedding_norm",
+            },
+            {
+                "attn_norm": "operator_norm",
+                "ffn_norm": "ffn_norm",
+                "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.out_proj",
+                "attn_q_norm": "self_attn.q_layernorm",
+                "attn_k_norm": "self_attn.k_layernorm",
+                "ffn_gate": "feed_forward.w1",
+                "ffn_up": "feed_forward.w3",
+                "ffn_down": "feed_forward.w2",
+                "shortconv.in_proj": "conv.in_proj",
+                "shortconv.out_proj": "conv.out_proj",
+                "shortconv.conv": "conv.conv",
+            },
+            transform=_lfm2_conv,
+            end_tokens=("<|im_end|>",),
+        ),
+    ]
+}
 
 
 def architecture_of(metadata: dict, file_name: str) -> Architecture:
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFImportError(f"{file_name}: architecture {arch!r} is not supported; supported: "
-                              f"{', '.join(ARCHITECTURES)}")
+        raise GGUFImportError(
+            f"{file_name}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
     return ARCHITECTURES[arch]

@@ -67,8 +67,10 @@ def _head_dim(h: Hyper, config: dict) -> int:
 
 def _full_rotary(h: Hyper, head_dim: int) -> None:
     if (rotary := h("rope.dimension_count", head_dim)) != head_dim:
-        raise GGUFImportError(f"{h.arch}: partial rotary embeddings ({rotary} of {head_dim} "
-                              "dimensions) are not supported by mlx-lm's model")
+        raise GGUFImportError(
+            f"{h.arch}: partial rotary embeddings ({rotary} of {head_dim} "
+            "dimensions) are not supported by mlx-lm's model"
+        )
 
 
 def _linear_or_no_scaling(h: Hyper) -> dict | None:
@@ -89,8 +91,7 @@ def llama_config(h: Hyper) -> dict:
     config["attention_bias"] = h.has("attn_q.bias")
     config["mlp_bias"] = h.has("ffn_up.bias")
     if "rope_freqs.weight" in h.tensor_names:  # Llama 3.1+: the factors stand in for rope_scaling
-        config["rope_scaling"] = recover_llama3_scaling(
-            h.load("rope_freqs.weight"), head_dim, config["rope_theta"])
+        config["rope_scaling"] = recover_llama3_scaling(h.load("rope_freqs.weight"), head_dim, config["rope_theta"])
     else:
         config["rope_scaling"] = _linear_or_no_scaling(h)
     return config
@@ -121,8 +122,7 @@ def gemma3_config(h: Hyper) -> dict:
     config["rope_local_base_freq"] = 10000.0
     # the query scale is 1/sqrt(head_dim), except for the 27B model (62 layers): hidden/heads
     wide = config["num_hidden_layers"] == 62
-    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
-                                       if wide else head_dim)
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if wide else head_dim
     config.setdefault("sliding_window", 512)
     config.setdefault("rope_theta", 1000000.0)
     config["rope_scaling"] = _linear_or_no_scaling(h)
@@ -157,7 +157,11 @@ def lfm2_config(h: Hyper) -> dict:
     config = get_gguf_config(metadata, tuple(sorted(h.tensor_names)))
     config.pop("architectures", None)
     # mlx-lm's Lfm2 requires these; with block_auto_adjust_ff_dim off they do not change the width
-    config.update(block_dim=config["hidden_size"], block_ff_dim=config["intermediate_size"],
-                  block_multiple_of=256, block_ffn_dim_multiplier=1.0,
-                  rope_theta=config["rope_parameters"]["rope_theta"])
+    config.update(
+        block_dim=config["hidden_size"],
+        block_ff_dim=config["intermediate_size"],
+        block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0,
+        rope_theta=config["rope_parameters"]["rope_theta"],
+    )
     return {k: v for k, v in config.items() if v is not None}

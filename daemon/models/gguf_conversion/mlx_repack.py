@@ -31,13 +31,16 @@ def repack(blocks: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarray, np
         nibbles = b[..., 4:] if qtype == QType.Q4_1 else b[..., 2:]
         # a block's first 16 values are the low nibbles, the next 16 the high ones
         codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-        bias = (b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-                if qtype == QType.Q4_1 else d * np.float32(-8))
+        bias = (
+            b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            if qtype == QType.Q4_1
+            else d * np.float32(-8)
+        )
     return _pack(codes.reshape(rows, -1), REPACKABLE[qtype]), d, bias
 
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     per_word = 32 // bits
     words = codes.reshape(codes.shape[0], -1, per_word).astype(np.uint32)
-    shifts = (np.arange(per_word, dtype=np.uint32) * bits)
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
     return np.bitwise_or.reduce(words << shifts, axis=-1).astype(np.uint32)

@@ -20,10 +20,23 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 
 # Every type gguf.quants dequantizes that llama.cpp's quantize tool writes for the models people
 # have. The rest (IQ*, TQ*, MXFP4, I8..I64, F64) are refused by name rather than converted untested.
-SUPPORTED_TYPES = frozenset({
-    QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
-})
+SUPPORTED_TYPES = frozenset(
+    {
+        QType.F32,
+        QType.F16,
+        QType.BF16,
+        QType.Q4_0,
+        QType.Q4_1,
+        QType.Q5_0,
+        QType.Q5_1,
+        QType.Q8_0,
+        QType.Q2_K,
+        QType.Q3_K,
+        QType.Q4_K,
+        QType.Q5_K,
+        QType.Q6_K,
+    }
+)
 
 
 class GGUFFile:
@@ -52,8 +65,7 @@ class GGUFFile:
         if bad:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             kinds = ", ".join(f"{kind} (e.g. tensor {name!r})" for kind, name in sorted(bad.items()))
-            raise GGUFImportError(f"{self.name}: tensor type(s) {kinds} not supported; "
-                                  f"supported: {supported}")
+            raise GGUFImportError(f"{self.name}: tensor type(s) {kinds} not supported; supported: {supported}")
 
     def type_of(self, name: str) -> QType:
         return self.tensors[name].tensor_type

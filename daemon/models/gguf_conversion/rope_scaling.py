@@ -20,14 +20,12 @@ from .errors import GGUFImportError
 _LLAMA31_DEFAULTS = (1.0, 4.0, 8192)  # low_freq_factor, high_freq_factor, original context
 
 
-def llama3_factors(head_dim: int, base: float, factor: float, low: float, high: float,
-                   original: float) -> np.ndarray:
+def llama3_factors(head_dim: int, base: float, factor: float, low: float, high: float, original: float) -> np.ndarray:
     """The per-frequency factors llama.cpp's converter computes (convert_hf_to_gguf.py)."""
     wavelens = 2 * math.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     smooth = (original / wavelens - low) / (high - low)
     blended = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelens < original / high, 1.0,
-                    np.where(wavelens > original / low, factor, blended))
+    return np.where(wavelens < original / high, 1.0, np.where(wavelens > original / low, factor, blended))
 
 
 def recover_llama3_scaling(freq_factors: np.ndarray, head_dim: int, base: float) -> dict:
@@ -42,10 +40,16 @@ def recover_llama3_scaling(freq_factors: np.ndarray, head_dim: int, base: float)
     for low, high, original in candidates:
         expected = llama3_factors(head_dim, base, factor, low, high, original)
         if np.allclose(expected, freq_factors, rtol=1e-4, atol=1e-5):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": original}
-    raise GGUFImportError("rope_freqs does not follow Llama 3's rope scaling; "
-                          "this importer cannot reproduce it in mlx-lm")
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise GGUFImportError(
+        "rope_freqs does not follow Llama 3's rope scaling; this importer cannot reproduce it in mlx-lm"
+    )
 
 
 def _fit(freq_factors: np.ndarray, head_dim: int, base: float, factor: float):

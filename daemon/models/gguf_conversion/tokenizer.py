@@ -24,8 +24,9 @@ def _builders():
     try:
         from transformers.integrations.gguf import gguf_tokenizer_mapping
     except ImportError as e:
-        raise GGUFImportError("rebuilding a GGUF tokenizer needs transformers 5 "
-                              "(transformers.integrations.gguf)") from e
+        raise GGUFImportError(
+            "rebuilding a GGUF tokenizer needs transformers 5 (transformers.integrations.gguf)"
+        ) from e
     return gguf_tokenizer_mapping
 
 
@@ -38,11 +39,15 @@ def check_tokenizer(metadata: dict, arch: str, file_name: str) -> None:
     if kind == "gpt2":
         known = (*_OWN_PRE_TOKENIZERS, *mapping.GGUF_PRE_TOKENIZER_SPLITS)
         if pre not in known:
-            raise GGUFImportError(f"{file_name}: byte-level BPE pre-tokenizer {pre!r} is not "
-                                  f"supported; supported: {', '.join(sorted(known))}")
+            raise GGUFImportError(
+                f"{file_name}: byte-level BPE pre-tokenizer {pre!r} is not "
+                f"supported; supported: {', '.join(sorted(known))}"
+            )
     elif kind != "llama":  # SentencePiece: one way to split, whatever "pre" says
-        raise GGUFImportError(f"{file_name}: tokenizer {kind!r} is not supported; supported: "
-                              "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+        raise GGUFImportError(
+            f"{file_name}: tokenizer {kind!r} is not supported; supported: "
+            "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
+        )
 
 
 def save_tokenizer(metadata: dict, arch: str, end_tokens: tuple[str, ...], out: Path) -> list[int]:
@@ -55,16 +60,18 @@ def save_tokenizer(metadata: dict, arch: str, end_tokens: tuple[str, ...], out: 
 
     mapping = _builders()
     renames = mapping.GGUF_TOKENIZER_MAPPING["tokenizer"]
-    spec = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
-            if f"tokenizer.{key}" in metadata}
+    spec = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
     built = mapping.select_tokenizer_builder(arch, spec.get("tokenizer_type"))(spec)
     built = mapping.add_gguf_special_tokens(built, spec)
     built = mapping.set_split_regex(built, spec)
     backend = built.backend_tokenizer
     if spec.get("pre_tokenizer_type") == "smollm":  # llama.cpp: digits one by one, then GPT-2's regex
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
 
     tokens = metadata["tokenizer.ggml.tokens"]
 
@@ -79,12 +86,18 @@ def save_tokenizer(metadata: dict, arch: str, end_tokens: tuple[str, ...], out: 
     single = ([f"{bos}"] if add_bos and bos else []) + ["$A"] + ([f"{eos}"] if add_eos and eos else [])
     specials = [(t, tokens.index(t)) for t in {bos, eos} if t and t in single]
     backend.post_processor = processors.TemplateProcessing(
-        single=" ".join(single), pair=" ".join(single + ["$B:1"]), special_tokens=specials)
+        single=" ".join(single), pair=" ".join(single + ["$B:1"]), special_tokens=specials
+    )
 
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=token("unknown"),
-        pad_token=token("padding"), chat_template=metadata.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False)
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=token("unknown"),
+        pad_token=token("padding"),
+        chat_template=metadata.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
     # save_jinja_files=False keeps chat_template inside tokenizer_config.json.
     wrapped.save_pretrained(out, save_jinja_files=False)
     _write_configs(out)
@@ -101,6 +114,5 @@ def _write_configs(out: Path) -> None:
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    specials = {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                if config.get(k)}
+    specials = {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if config.get(k)}
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")

@@ -54,8 +54,9 @@ def _is_matrix(mlx_name: str, values: np.ndarray, group: int) -> bool:
     return mlx_name.endswith(".weight") and values.ndim == 2 and values.shape[-1] % group == 0
 
 
-def convert_tensor(source: GGUFFile, gguf_name: str, mlx_name: str, transform: Transform,
-                   config: dict, dtype: str) -> dict[str, mx.array]:
+def convert_tensor(
+    source: GGUFFile, gguf_name: str, mlx_name: str, transform: Transform, config: dict, dtype: str
+) -> dict[str, mx.array]:
     """{mlx name: array} for one GGUF tensor (three arrays for a quantized matrix)."""
     qtype = source.type_of(gguf_name)
     base = mlx_name.removesuffix(".weight")
@@ -66,16 +67,14 @@ def convert_tensor(source: GGUFFile, gguf_name: str, mlx_name: str, transform: T
         if blocks.ndim == 2:
             blocks = transform(mlx_name, blocks, config)
             w, scales, biases = repack(blocks, qtype)
-            return {mlx_name: mx.array(w), f"{base}.scales": mx.array(scales),
-                    f"{base}.biases": mx.array(biases)}
+            return {mlx_name: mx.array(w), f"{base}.scales": mx.array(scales), f"{base}.biases": mx.array(biases)}
     values = transform(mlx_name, source.dequantize(gguf_name), config)
     if dtype in _FLOATS:
         return {mlx_name: mx.array(values).astype(_FLOATS[dtype])}
     if dtype == "keep":
         if qtype in _FLOAT_TYPES or not _is_matrix(mlx_name, values, REPACK_GROUP):
             return {mlx_name: mx.array(values)}
-        return _quantized(mlx_name, mx.array(values), REPACK_GROUP, _KEEP_FALLBACK_BITS,
-                          mx.float32)
+        return _quantized(mlx_name, mx.array(values), REPACK_GROUP, _KEEP_FALLBACK_BITS, mx.float32)
     # q4 / q8
     weights = mx.array(values).astype(mx.bfloat16)
     if not _is_matrix(mlx_name, values, _REQUANT_GROUP):
@@ -86,8 +85,7 @@ def convert_tensor(source: GGUFFile, gguf_name: str, mlx_name: str, transform: T
 def _quantized(mlx_name: str, w: mx.array, group: int, bits: int, scale_dtype) -> dict:
     q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     base = mlx_name.removesuffix(".weight")
-    return {mlx_name: q, f"{base}.scales": scales.astype(scale_dtype),
-            f"{base}.biases": biases.astype(scale_dtype)}
+    return {mlx_name: q, f"{base}.scales": scales.astype(scale_dtype), f"{base}.biases": biases.astype(scale_dtype)}
 
 
 def quantization_config(dtype: str, written: dict[str, tuple]) -> dict | None:
@@ -138,8 +136,7 @@ class ShardWriter:
 
     def finish(self) -> None:
         if self.count == 0:  # one shard: the plain name
-            mx.save_safetensors(str(self.out / "model.safetensors"), self.pending,
-                                metadata={"format": "mlx"})
+            mx.save_safetensors(str(self.out / "model.safetensors"), self.pending, metadata={"format": "mlx"})
             return
         self._flush()
         index = {"metadata": {}, "weight_map": dict(sorted(self.weight_map.items()))}
