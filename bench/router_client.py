@@ -6,6 +6,10 @@ has several sessions; a session's turn 2 repeats turn 1 with its answer and
 asks again. Turns arrive interleaved across tenants in a seeded random order
 (never a fixed cycle: with 6 tenants on 3 daemons a fixed cycle would make
 round-robin stick each tenant to one daemon by accident).
+
+Every request names its tenant in ``TENANT_KEY_HEADER`` (smg's routing-key
+header), in every run: the policies that do not read it ignore it, so each
+policy sees the same requests.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ TENANT_NAMES = ("Acme Freight", "Borealis Bank", "Cobalt Clinics", "Dunmore Lega
 WORDS = ("policy", "customer", "invoice", "shipment", "refund", "account", "ticket", "schedule", "warranty", "contract",
          "audit", "balance", "appointment", "delivery", "priority", "escalate", "verify", "document", "region", "tariff",
          "compliance", "renewal", "dispatch", "inventory", "claim", "patient", "booking", "license", "outage", "meter")
+TENANT_KEY_HEADER = "x-smg-routing-key"
 QUESTIONS = ("How do I change my delivery address?", "What is the refund window?", "Can you escalate my ticket?",
              "Which documents do I need?", "When is the next available slot?", "Why was I charged twice?")
 
@@ -71,7 +76,8 @@ def messages_for(turn: Turn, turns: dict[tuple[int, int, int], Turn], system: st
     return messages
 
 
-def stream_chat(base_url: str, token: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def stream_chat(base_url: str, token: str, body: dict[str, Any], timeout: float,
+                headers: dict[str, str] | None = None) -> dict[str, Any]:
     """One streamed chat completion: time to the first token, the usage and cache map, the daemon it went to.
 
     Never raises for a failed request: the record says ``error`` (the status
@@ -84,7 +90,7 @@ def stream_chat(base_url: str, token: str, body: dict[str, Any], timeout: float)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True,
                                                                   "stream_options": {"include_usage": True}}),
-                     {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {token}", **(headers or {})})
         response = conn.getresponse()
         record["worker"] = response.getheader("x-smg-routed-worker-id")
         record["status"] = response.status
@@ -136,7 +142,9 @@ def run_turns(base_url: str, token: str, model: str, order: list[Turn], system_w
         body = {"model": model, "messages": messages_for(turn, turns, systems[turn.tenant]), "max_tokens": max_tokens,
                 "temperature": 0}
         sent_at = time.monotonic()
-        record = stream_chat(base_url, token, body, timeout) if stop is None or not stop.is_set() else {"ok": False, "skipped": True}
+        tenant_key = {TENANT_KEY_HEADER: TENANT_NAMES[turn.tenant]}
+        record = (stream_chat(base_url, token, body, timeout, tenant_key) if stop is None or not stop.is_set()
+                  else {"ok": False, "skipped": True})
         turn.answer = record.get("text", "")
         turn.done.set()
         return {**record, "tenant": turn.tenant, "session": turn.session, "turn": turn.turn, "sent_at": sent_at,

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,6 +52,11 @@ def router_command(smg: str, policy: str, port: int, worker_urls: list[str], tok
         smg, "launch", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *worker_urls,
         "--policy", policy,  # cache_aware: an approximate radix tree of request text per daemon
+        # A prefix the tree has not seen goes to the lowest expected wait, read from each daemon's /v1/loads
+        # plus what the router sent it since: polled every 10 s by default, a snapshot older than the
+        # requests it is meant to spread, so new tenants land by chance. Every second keeps it current.
+        "--load-monitor-interval", "1",
+        *policy_flags(policy),
         # Sent to every daemon as its bearer token (load polls, requests), and asked of the router's own clients.
         f"--api-key={token}",  # one word: a token may begin with "-", which argparse would take for a flag
         # Its own Prometheus page binds 0.0.0.0:29000 unless told otherwise.
@@ -64,6 +70,16 @@ def router_command(smg: str, policy: str, port: int, worker_urls: list[str], tok
         "--shutdown-grace-period-secs", "5",
         "--log-level", "warn",
     ]
+
+
+def policy_flags(policy: str) -> list[str]:
+    """Flags one policy needs beside the shared ones."""
+    if policy == "manual":
+        # Sticky keys: the first request of a key (the tenant, in the header the client sends) goes to the
+        # daemon with the fewest distinct keys in flight, and every later one follows it; a request with no
+        # key goes to a daemon drawn at random.
+        return ["--assignment-mode", "min_group"]
+    return []
 
 
 def _get(url: str, token: str | None, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -147,12 +163,16 @@ class Daemon(_Process):
         self.launch()
         self.wait_until(lambda: _get(self.url + "/health", self.token)[0] == 200, "healthy", timeout)
 
-    def store(self) -> dict[str, Any]:
-        """This daemon's prefix store as its /v1/loads reports it: bytes held, budget, evictions, recent reuse."""
+    def loads(self) -> dict[str, Any]:
+        """This daemon's /v1/loads: its running requests and their KV share, and its prefix store."""
         status, body = _get(self.url + "/v1/loads", self.token)
         if status != 200:
             raise FleetError(f"{self.name}: /v1/loads answered {status}")
-        return json.loads(body)["prefixd_cache"]
+        return json.loads(body)
+
+    def store(self) -> dict[str, Any]:
+        """This daemon's prefix store as its /v1/loads reports it: bytes held, budget, evictions, recent reuse."""
+        return self.loads()["prefixd_cache"]
 
     def counters(self) -> dict[str, float]:
         """This daemon's request and token counters from /metrics, summed over models and outcomes."""
@@ -230,3 +250,36 @@ class Fleet:
     def daemon_at(self, url: str) -> int:
         """The index of the daemon the router names by ``url`` (its routed-worker header)."""
         return next(i for i, d in enumerate(self.daemons) if d.url == url.rstrip("/"))
+
+
+class LoadSampler(threading.Thread):
+    """Each daemon's /v1/loads every ``interval`` seconds while the thread runs: when its store filled and evicted.
+
+    ``samples[i]`` is daemon i's list of ``(seconds since start, stored bytes,
+    bytes its running requests reserve, evictions so far)``.
+    """
+
+    def __init__(self, daemons: list[Daemon], cache_bytes_each: int, interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.daemons, self.cache_bytes_each, self.interval = daemons, cache_bytes_each, interval
+        self.samples: list[list[tuple[float, int, int, int]]] = [[] for _ in daemons]
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self._stop_event.is_set():
+            for daemon, samples in zip(self.daemons, self.samples):
+                try:
+                    loads = daemon.loads()
+                except (OSError, FleetError):
+                    continue  # a daemon that is down has nothing to say
+                store = loads["prefixd_cache"]
+                reserved = round(loads["loads"][0]["token_usage"] * self.cache_bytes_each)
+                samples.append((round(time.monotonic() - started, 1), store["num_bytes"], reserved,
+                                store["num_evictions"]))
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> list[list[tuple[float, int, int, int]]]:
+        self._stop_event.set()
+        self.join()
+        return self.samples

@@ -27,6 +27,12 @@ def summarize(name: str, records: list[dict[str, Any]], daemon_urls: list[str], 
     for r in ok:
         daemons_of_tenant[r["tenant"]].add(r["worker"])
     served = Counter(r["worker"] for r in ok)
+    home: dict[int, str] = {}
+    for r in sorted(ok, key=lambda r: r["sent_at"]):
+        home.setdefault(r["tenant"], r["worker"])
+    # A warm request that found less than half its prompt stored: its tenant's prefix was evicted
+    # from that daemon, or the tenant had not been there before.
+    thin = Counter(r["worker"] for r in warm if r["cached_tokens"] * 2 < r["prompt_tokens"])
     return {
         "name": name,
         "requests": len(records),
@@ -42,7 +48,9 @@ def summarize(name: str, records: list[dict[str, Any]], daemon_urls: list[str], 
         "warm_server_ttft_p50_s": _quantile([r["server_ttft_s"] for r in warm], 0.5),
         "cold_ttft_p50_s": _quantile([r["ttft_s"] for r in cold], 0.5),
         "daemons_per_tenant": statistics.fmean(len(d) for d in daemons_of_tenant.values()) if daemons_of_tenant else 0,
-        "requests_per_daemon": [served.get(url, 0) for url in daemon_urls],
+        "requests_per_daemon": [sum(n for url, n in served.items() if url.rstrip("/") == d) for d in daemon_urls],
+        "tenants_per_daemon": [sorted(t for t, url in home.items() if url.rstrip("/") == d) for d in daemon_urls],
+        "warm_misses_per_daemon": [sum(n for url, n in thin.items() if url.rstrip("/") == d) for d in daemon_urls],
         "wall_s": wall_s,
     }
 
@@ -83,14 +91,19 @@ def _seconds(value: float | None) -> str:
 def render_report(results: dict[str, Any]) -> str:
     settings, machine = results["settings"], results["machine"]
     lines = [
-        f"# Many daemons behind smg {results['smg_version']}: cache_aware vs round_robin vs one daemon",
+        f"# Many daemons behind smg {results['smg_version']}: cache_aware and tenant keys vs round_robin vs one daemon",
         "",
         f"{machine['date']}, {machine['cpu']} ({machine['cores']} cores), prefixd {machine['prefixd_commit']}, "
         f"mlx {machine['mlx']}; model {settings['model']}; load average {machine['load_before']} before, "
         f"{machine.get('load_after', '?')} after.",
         f"Workload: {settings['tenants']} tenants x {settings['sessions']} sessions x {settings['turns']} turns, "
         f"system prompts of {settings['system_words']} words, max_tokens {settings['max_tokens']}, "
-        f"{settings['concurrency']} clients, {settings['daemons']} daemons; one daemon alone gets all their memory.",
+        f"{settings['concurrency']} clients, {settings['daemons']} daemons; one daemon alone gets all their memory. "
+        "Every request names its tenant in `x-smg-routing-key`; only `tenant key` reads it.",
+        "Router: `smg launch --load-monitor-interval 1` and `--policy cache_aware` (the request text's prefix "
+        "tree; a prefix it has not seen goes to the lowest expected wait), `--policy manual --assignment-mode "
+        "min_group` (tenant key: a new key goes to the daemon with the fewest keys in flight, then stays), or "
+        "`--policy round_robin`.",
     ]
     for regime in results["regimes"]:
         lines += ["", f"**{regime['cache_mib_each']} MiB --cache-bytes per daemon**", ""] + _policy_table(regime["runs"])
@@ -99,15 +112,20 @@ def render_report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _per_daemon(values: list[Any]) -> str:
+    return " / ".join("-" if v is None else str(v) for v in values)
+
+
 def _policy_table(runs: list[dict[str, Any]]) -> list[str]:
-    single, aware, robin = runs
+    single = runs[0]
+    robin = next(r for r in runs if r["name"] == "round_robin")
 
     def row(label: str, cell) -> str:
         return f"| {label} | " + " | ".join(cell(r) for r in runs) + " |"
 
     lines = [
-        "| | one daemon | cache_aware | round_robin |",
-        "|---|---:|---:|---:|",
+        "| | " + " | ".join(r["name"] for r in runs) + " |",
+        "|---|" + "---:|" * len(runs),
         row("requests (failed)", lambda r: f"{r['requests']} ({r['failed']})"),
         row("prompt tokens reused", lambda r: f"{r['reuse_share']:.1%}"),
         row("... of warm requests (all but each tenant's first)", lambda r: f"{r['warm_reuse_share']:.1%}"),
@@ -116,16 +134,26 @@ def _policy_table(runs: list[dict[str, Any]]) -> list[str]:
         row("warm TTFT p50 in the daemon, s", lambda r: _seconds(r["warm_server_ttft_p50_s"])),
         row("first request of a tenant, TTFT p50, s", lambda r: _seconds(r["cold_ttft_p50_s"])),
         row("daemons that served each tenant (mean)", lambda r: f"{r['daemons_per_tenant']:.2f}"),
-        row("requests per daemon", lambda r: " / ".join(map(str, r["requests_per_daemon"]))),
-        row("prefix-store evictions per daemon", lambda r: " / ".join(map(str, r["evictions_per_daemon"]))),
-        row("prefix store at the end per daemon, MiB", lambda r: " / ".join(map(str, r["stored_mib_per_daemon"]))),
+        row("tenants placed per daemon (by first request)",
+            lambda r: " / ".join(",".join(map(str, ts)) or "-" for ts in r["tenants_per_daemon"])),
+        row("requests per daemon", lambda r: _per_daemon(r["requests_per_daemon"])),
+        row("warm requests with < half their prompt stored, per daemon", lambda r: _per_daemon(r["warm_misses_per_daemon"])),
+        row("prefix-store evictions per daemon", lambda r: _per_daemon(r["evictions_per_daemon"])),
+        row("first eviction, s into the run, per daemon", lambda r: _per_daemon(r["first_eviction_s_per_daemon"])),
+        row("peak stored / peak reserved by running requests, MiB, per daemon",
+            lambda r: " / ".join(f"{s}+{v}" for s, v in zip(r["peak_stored_mib_per_daemon"], r["peak_reserved_mib_per_daemon"]))),
+        row("prefix store at the end per daemon, MiB", lambda r: _per_daemon(r["stored_mib_per_daemon"])),
         row("wall time, s", lambda r: f"{r['wall_s']:.0f}"),
         "",
-        f"Targets: cache_aware within 5 points of one daemon: {aware['reuse_share']:.1%} vs {single['reuse_share']:.1%} "
-        f"({'met' if single['reuse_share'] - aware['reuse_share'] <= 0.05 else 'missed'}); at least 2x round_robin: "
-        f"{_share(aware['reuse_share'], robin['reuse_share']):.2f}x "
-        f"({'met' if aware['reuse_share'] >= 2 * robin['reuse_share'] else 'missed'}).",
     ]
+    for aware in runs[1:]:
+        if aware is robin:
+            continue
+        lines.append(
+            f"Targets, {aware['name']}: within 5 points of one daemon: {aware['reuse_share']:.1%} vs "
+            f"{single['reuse_share']:.1%} ({'met' if single['reuse_share'] - aware['reuse_share'] <= 0.05 else 'missed'}); "
+            f"at least 2x round_robin: {_share(aware['reuse_share'], robin['reuse_share']):.2f}x "
+            f"({'met' if aware['reuse_share'] >= 2 * robin['reuse_share'] else 'missed'}).")
     for r in runs:
         if r["errors"]:
             lines.append(f"Errors ({r['name']}): " + "; ".join(r["errors"]))

@@ -4,23 +4,32 @@
 
 Runs the same multi-tenant chat workload (bench/router_client.py: tenants with
 long system prompts of their own, several sessions each, two turns, arriving
-interleaved) against, in turn and each from cold:
+interleaved; every request names its tenant in smg's routing-key header) against,
+in turn and each from cold:
 
 * one daemon alone with all the memory (``--daemons`` times a daemon's), behind the router;
-* ``--daemons`` daemons behind smg with ``--policy cache_aware``;
+* ``--daemons`` daemons behind smg with ``--policy cache_aware`` (routing by request text);
+* the same behind ``--policy manual --assignment-mode min_group`` (routing by the tenant's key: a new
+  tenant goes to the daemon with the fewest tenants in flight, then stays there);
 * the same behind smg with ``--policy round_robin``;
 
-once for each per-daemon ``--cache-bytes`` in ``--cache-mib`` (by default 256 MiB, where every daemon could
-hold every tenant's prefixes, and 160 MiB, where a daemon holds its third of them and its running
-requests, not more);
+once for each per-daemon ``--cache-bytes`` in ``--cache-mib``. The first size is the question routing
+answers, a memory-bound fleet: each daemon has room for its third of the tenants' prefixes plus the KV
+its running requests reserve when every client is on it at once (a running request reserves what its KV
+can grow to, more than a tenant's stored prefix here), but not for every tenant, while one daemon with
+three times the memory holds them all. With SmolLM2 and this workload that is 224 MiB (a third of the
+220 MiB one daemon stores, plus up to 151 MiB reserved; the report's peak row shows both). The second,
+160 MiB, is a fleet short of that room: running requests push out even an evenly placed daemon's
+prefixes. While each run goes, every daemon's store is sampled each second (bytes held and reserved,
+evictions), so the report says which daemon evicted, when, and with which tenants.
 
-then a fault: under cache_aware, with the disk cache on, the daemon that holds
+Then a fault: under cache_aware, with the disk cache on, the daemon that holds
 the most tenants is killed (SIGKILL) under load and started again on the same
 port. Each reply's ``usage.prompt_tokens_details.cached_tokens`` gives the
 reuse; the router's ``x-smg-routed-worker-id`` header names the daemon.
 
-Targets: cache_aware's reused share within 5 points of one daemon's,
-and at least twice round_robin's. Writes report.md and results.json to --out.
+Targets: a cache-aware policy's reused share within 5 points of one daemon's,
+and at least twice round_robin's. Writes report.md, results.json and records.jsonl to --out.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ sys.path.insert(0, str(BENCH))
 
 from compare import load_average, machine_meta  # noqa: E402
 from router_client import run_turns, workload  # noqa: E402
-from router_fleet import SMG_VERSION, Fleet, find_smg  # noqa: E402
+from router_fleet import SMG_VERSION, Fleet, LoadSampler, find_smg  # noqa: E402
 from router_report import fault_summary, render_report, summarize  # noqa: E402
 
 SMOLLM2 = Path.home() / ".local/share/prefixd/models/SmolLM2-135M-Instruct"
@@ -56,13 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system-words", type=int, default=450, help="words in each tenant's system prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=3)
-    parser.add_argument("--cache-mib", default="256,160",
+    parser.add_argument("--cache-mib", default="224,160",
                         help="each daemon's --cache-bytes in MiB; a comma-separated list runs the policies once per size")
     parser.add_argument("--fault-seconds", type=float, default=12.0, help="how long the killed daemon stays down")
     parser.add_argument("--no-fault", action="store_true", help="skip the kill-and-restart phase")
     parser.add_argument("--quick", action="store_true", help="3 tenants x 2 sessions, short prompts, a short fault")
     parser.add_argument("--out", type=Path, default=None, help="folder for report.md and results.json")
-    parser.add_argument("--records", type=Path, default=None, help="append every request's record here (JSON lines)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one request may take")
     args = parser.parse_args(argv)
     args.cache_mib = [int(size) for size in str(args.cache_mib).split(",")]
@@ -72,31 +80,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_policies(args: argparse.Namespace, workdir: Path, cache_mib: int) -> dict[str, Any]:
-    """One daemon with all the memory, then the fleet under cache_aware and under round_robin."""
+# (name in the report, smg's --policy); the first runs on one daemon with all the memory.
+RUNS = (("one daemon", "cache_aware"), ("cache_aware", "cache_aware"), ("tenant key", "manual"),
+        ("round_robin", "round_robin"))
+
+
+def run_policies(args: argparse.Namespace, workdir: Path, cache_mib: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One daemon with all the memory, then the fleet under each policy of RUNS."""
+    (single_name, single_policy), *fleet_runs = RUNS
     return {"cache_mib_each": cache_mib, "runs": [
-        run_policy(args, workdir, "one daemon", 1, "cache_aware", cache_mib * args.daemons),
-        run_policy(args, workdir, "cache_aware", args.daemons, "cache_aware", cache_mib),
-        run_policy(args, workdir, "round_robin", args.daemons, "round_robin", cache_mib)]}
+        run_policy(args, workdir, single_name, 1, single_policy, cache_mib * args.daemons, records),
+        *(run_policy(args, workdir, name, args.daemons, policy, cache_mib, records) for name, policy in fleet_runs)]}
 
 
 def run_policy(args: argparse.Namespace, workdir: Path, name: str, num_daemons: int, policy: str,
-               cache_mib: int) -> dict[str, Any]:
+               cache_mib: int, all_records: list[dict[str, Any]]) -> dict[str, Any]:
     print(f"== {name}: {num_daemons} daemon(s) x {cache_mib} MiB, smg --policy {policy}", flush=True)
     with Fleet(args.model, workdir / f"{name}-{cache_mib}", num_daemons, policy, cache_mib * MIB) as fleet:
         order = workload(args.tenants, args.sessions, args.turns)
+        sampler = LoadSampler(fleet.daemons, cache_mib * MIB)
+        sampler.start()
         started = time.monotonic()
         records = run_turns(fleet.router.url, fleet.token, args.model.name, order, args.system_words, args.max_tokens,
                             args.concurrency, args.timeout)
         wall_s = time.monotonic() - started
+        samples = sampler.stop()
         daemon_urls = [d.url for d in fleet.daemons]
         stores = [d.store() for d in fleet.daemons]
-    if args.records is not None:
-        with open(args.records, "a") as out:
-            out.writelines(json.dumps({"run": name, "cache_mib": cache_mib, **r}) + "\n" for r in records)
+    all_records.extend({"run": name, "cache_mib": cache_mib, "sent_s": round(r["sent_at"] - started, 2), **r}
+                       for r in records)
     summary = summarize(name, records, daemon_urls, wall_s)
     summary["evictions_per_daemon"] = [store["num_evictions"] for store in stores]
     summary["stored_mib_per_daemon"] = [round(store["num_bytes"] / MIB) for store in stores]
+    summary["peak_stored_mib_per_daemon"] = [round(max((s[1] for s in daemon), default=0) / MIB) for daemon in samples]
+    summary["peak_reserved_mib_per_daemon"] = [round(max((s[2] for s in daemon), default=0) / MIB) for daemon in samples]
+    summary["first_eviction_s_per_daemon"] = [next((s[0] for s in daemon if s[3] > 0), None) for daemon in samples]
+    summary["store_samples"] = samples
     print(f"   reused {summary['reuse_share']:.1%} of prompt tokens, warm TTFT p50 {summary['warm_ttft_p50_s']:.3f} s, "
           f"{summary['failed']} failed, {wall_s:.0f} s", flush=True)
     return summary
@@ -149,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         print(f"no model at {args.model}: ./run setup imports SmolLM2, or pass --model", file=sys.stderr)
         return 2
+    records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pfx-router-") as tmp:
         workdir = Path(tmp)
         results = {
             "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "machine": machine_meta(args, args.model),
             "smg_version": SMG_VERSION,
-            "regimes": [run_policies(args, workdir, cache_mib) for cache_mib in args.cache_mib],
+            "regimes": [run_policies(args, workdir, cache_mib, records) for cache_mib in args.cache_mib],
         }
         if not args.no_fault:
             results["fault"] = run_fault(args, workdir)
@@ -166,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         (args.out / "report.md").write_text(report)
-        print(f"wrote {args.out}/report.md and results.json")
+        (args.out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"wrote {args.out}/report.md, results.json and records.jsonl")
     return 0
 
 

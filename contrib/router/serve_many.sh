@@ -12,6 +12,9 @@
 #   BASE_PORT=30100
 #   HOST=127.0.0.1        where the router listens (another address needs the token anyway)
 #   CACHE_BYTES=          each daemon's --cache-bytes (default: prefixd's)
+#   TENANT_KEYS=1         route by the client's x-smg-routing-key header instead of the request text: a new key
+#                         (a tenant, a user) goes to the daemon with the fewest keys in flight and stays there; a
+#                         request without the header goes to a daemon drawn at random (smg --policy manual)
 #   DISK_CACHE_BYTES=8G   each daemon's disk cache: a daemon that restarts comes back warm (0: off)
 #   STATE_DIR=~/.local/state/prefixd-fleet   sockets, disk caches, logs, the token
 #   PREFIXD=prefixd SMG=smg                  the commands (pip install prefixd's test extra, or pip install smg)
@@ -71,8 +74,13 @@ for ((i = 0; i < num; i++)); do  # GET /health answers once the model is loaded
   done
 done
 
+if [ "${TENANT_KEYS:-0}" = 1 ]; then
+  policy=(--policy manual --assignment-mode min_group)
+else
+  policy=(--policy cache_aware)
+fi
 "$smg" launch --host "$host" --port "$router_port" --worker-urls "${urls[@]}" \
-  --policy cache_aware --api-key="$token" \
+  "${policy[@]}" --load-monitor-interval 1 --api-key="$token" \
   --prometheus-host 127.0.0.1 --prometheus-port $((router_port + 1)) \
   --health-check-interval-secs 5 --cb-timeout-duration-secs 10 --shutdown-grace-period-secs 5 \
   --log-level warn >"$state/smg.log" 2>&1 &

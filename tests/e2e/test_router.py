@@ -4,8 +4,9 @@ The first tests need no router: the routes a router reads (``/health``,
 ``/v1/loads``, ``/server_info``) on one daemon. The others start two daemons
 and smg in front (bench/router_fleet.py, the fleet of bench/router_workload.py)
 and see, from each reply's cache map and the router's ``x-smg-routed-worker-id``
-header, requests with a shared prefix land on the daemon that holds it, and a
-daemon killed under load fail over, then serve again warm from its disk cache.
+header, requests with a shared prefix land on the daemon that holds it (by the
+request text, or by the tenant's key), and a daemon killed under load fail over,
+then serve again warm from its disk cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.router_client import stream_chat, system_prompt
+from bench.router_client import TENANT_KEY_HEADER, TENANT_NAMES, stream_chat, system_prompt
 from bench.router_fleet import ROUTED_WORKER_HEADER, Fleet, find_smg
 from tests.support.http_daemon import http_daemon
 
@@ -40,12 +41,16 @@ def _get(url: str, token: str | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def _chat(fleet: Fleet, tenant: int, question: str, max_tokens: int = 4, timeout: float = 60) -> tuple[int, dict, str]:
-    """A non-streamed chat through the router: status, body, and the daemon the router names."""
+def _chat(fleet: Fleet, tenant: int, question: str, max_tokens: int = 4, timeout: float = 60,
+          key: str | None = None) -> tuple[int, dict, str]:
+    """A non-streamed chat through the router (naming its routing ``key``, if any): status, body, the daemon."""
     body = {"model": "llama", "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "system", "content": system_prompt(tenant, 120)}, {"role": "user", "content": question}]}
+    headers = {"Authorization": f"Bearer {fleet.token}", "Content-Type": "application/json"}
+    if key is not None:
+        headers[TENANT_KEY_HEADER] = key
     request = urllib.request.Request(fleet.router.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Authorization": f"Bearer {fleet.token}", "Content-Type": "application/json"})
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read()), response.headers.get(ROUTED_WORKER_HEADER)
@@ -91,10 +96,13 @@ def test_loads_count_a_running_request_and_its_kv(tiny_llama_dir, tmp_path):
 @needs_smg
 def test_a_shared_prefix_lands_on_the_daemon_that_holds_it(tiny_llama_dir, tmp_path):
     with Fleet(tiny_llama_dir, tmp_path, 2, "cache_aware", 256 * MIB) as fleet:
-        # Four tenants arrive at once: smg places a prefix nobody holds on the daemon with the fewest requests in
-        # flight (one after another, with none in flight, they would all go to the first daemon).
+        # Four tenants arrive at once, with answers long enough to be in flight together: smg places a prefix
+        # nobody holds on the daemon with the lowest expected wait (its polled load plus what the router sent it
+        # since; before the first poll, its requests in flight), so the four spread over both daemons. (Answers
+        # of a few tokens would end before the next arrives, and an unpolled fleet's ties are drawn at random.)
         with ThreadPoolExecutor(4) as pool:
-            firsts = list(pool.map(lambda tenant: _chat(fleet, tenant, f"First question of tenant {tenant}?"), range(4)))
+            firsts = list(pool.map(lambda tenant: _chat(fleet, tenant, f"First question of tenant {tenant}?", 300),
+                                   range(4)))
         home: dict[int, str] = {}
         for tenant, (status, reply, worker) in enumerate(firsts):
             assert status == 200, reply
@@ -112,6 +120,35 @@ def test_a_shared_prefix_lands_on_the_daemon_that_holds_it(tiny_llama_dir, tmp_p
                 assert worker == home[tenant], (tenant, session)
                 assert cache["hit"] == "partial" and cache["reused_tokens"] >= 0.8 * cache["prompt_tokens"], cache
                 assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == cache["reused_tokens"]
+
+
+@needs_smg
+def test_a_tenant_key_goes_where_fewest_keys_are_in_flight_then_stays(tiny_llama_dir, tmp_path):
+    with Fleet(tiny_llama_dir, tmp_path, 2, "manual", 256 * MIB) as fleet:
+        # Tenant 0's long answer is in flight on one daemon when tenant 1's first request comes: smg's min_group
+        # sends a new key to the daemon with the fewest distinct keys in flight, the other one.
+        long_answer: list = []
+        first = threading.Thread(target=lambda: long_answer.append(
+            _chat(fleet, 0, "Talk at length.", max_tokens=1500, key=TENANT_NAMES[0])))
+        first.start()
+        deadline = time.monotonic() + 30
+        while not any(d.loads()["loads"][0]["num_running_reqs"] for d in fleet.daemons):
+            assert time.monotonic() < deadline, "tenant 0's request never started"
+            time.sleep(0.05)
+        status, reply, home_of_1 = _chat(fleet, 1, "First question?", key=TENANT_NAMES[1])
+        first.join(60)
+        status_0, reply_0, home_of_0 = long_answer[0]
+        assert status == 200 and status_0 == 200, (reply, reply_0)
+        assert home_of_0 != home_of_1
+        # Every later request of a key follows it, and finds its tenant's prefix there.
+        for turn, (tenant, home) in enumerate(((0, home_of_0), (1, home_of_1), (0, home_of_0), (1, home_of_1))):
+            status, reply, worker = _chat(fleet, tenant, f"Question {turn}?", key=TENANT_NAMES[tenant])
+            cache = reply["prefixd_cache"]
+            assert status == 200 and worker == home, (tenant, reply)
+            assert cache["hit"] == "partial" and cache["reused_tokens"] >= 0.8 * cache["prompt_tokens"], cache
+        # A client that names no key is still served.
+        status, reply, worker = _chat(fleet, 0, "No key?")
+        assert status == 200 and worker in (home_of_0, home_of_1), reply
 
 
 @needs_smg
