@@ -173,11 +173,11 @@ class Engine:
         try:
             if job.params.constraint is not None and job.grammar is None and not job.warm_only:
                 if not reserved:
-                    self.inbox.reserve(job.client_id)
+                    self.inbox.reserve(job.client_id, job.fair_lane)
                 try:
                     self._grammar_pool.submit(self._compile_then_queue, job)
                 except RuntimeError:  # stopped: the pool takes no more work
-                    self.inbox.release(job.client_id)
+                    self.inbox.release(job.client_id, job.fair_lane)
                     raise RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down") from None
                 return
             self.inbox.put_job(job, reserved)
@@ -193,7 +193,7 @@ class Engine:
             entry = self.entry_for(job.params.model)  # its tokenizer, whether the weights are loaded or not
             job.grammar = compiler_for(entry).start(job.params.constraint)
         except BaseException as exc:
-            self.inbox.release(job.client_id)
+            self.inbox.release(job.client_id, job.fair_lane)
             if not isinstance(exc, RpcError):
                 log.exception("constraint_compile_failed", request_id=job.request_id)
                 exc = internal_error(exc, "the constraint could not be compiled")

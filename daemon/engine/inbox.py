@@ -5,8 +5,11 @@ queue per lane (a socket connection, or one HTTP client program on one host:
 GenerateJob.fair_lane) and are served round-robin across lanes, so one client
 with many queued requests cannot starve another, however many connections it
 opens: each lane with work gets the engine in turn, oldest request first
-within a lane. The queue limits count per connection (client_id). Beyond the
-limits a put fails at once with OVERLOADED instead of waiting.
+within a lane. The queue limits count per connection (client_id), and a
+quarter of the whole queue is kept for other lanes, so a burst from one
+program (hundreds of HTTP connections, each within its own limit) cannot fill
+the line for everyone. Beyond the limits a put fails at once with OVERLOADED
+instead of waiting.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Inbox:
         self._controls: deque[Callable[[], Any]] = deque()
         self._per_lane: OrderedDict[str, deque[GenerateJob]] = OrderedDict()  # the next lane to serve first
         self._queued_per_client: dict[str, int] = {}
+        self._in_line_per_lane: dict[str, int] = {}  # queued + reserved
         self._num_queued = 0
         # Places taken by requests still being encoded on the front's worker threads:
         # they count against the limits, so a burst cannot pass them while it encodes.
@@ -35,30 +39,35 @@ class Inbox:
         self._closed_error: RpcError | None = None  # what a put_job gets once closed
         self._controls_error: RpcError | None = None  # what a put_control gets once the engine is gone
 
-    def reserve(self, client_id: str) -> None:
+    @property
+    def max_queued_per_lane(self) -> int:
+        """What one lane may hold: all but the quarter of the line kept for the others."""
+        return self.max_queued - self.max_queued // 4
+
+    def reserve(self, client_id: str, lane: str | None = None) -> None:
         """Take a place in line for a request about to be encoded, or raise what put_job would raise.
 
-        The place is given back by ``put_job(job, reserved=True)`` or by ``release``.
+        ``lane`` is the job's fair_lane (default: its connection). The place is
+        given back by ``put_job(job, reserved=True)`` or by ``release``.
         """
+        lane = lane or client_id
         with self._lock:
-            self._check_room(client_id)
+            self._check_room(client_id, lane)
             self._reserved[client_id] = self._reserved.get(client_id, 0) + 1
             self._num_reserved += 1
+            _add(self._in_line_per_lane, lane, +1)
 
-    def release(self, client_id: str) -> None:
+    def release(self, client_id: str, lane: str | None = None) -> None:
         """Give back a reserved place (the request failed or was cancelled before it was queued)."""
         with self._lock:
-            self._unreserve(client_id)
+            self._unreserve(client_id, lane or client_id)
 
-    def _unreserve(self, client_id: str) -> None:
-        count = self._reserved.get(client_id, 0)
-        if count <= 0:
+    def _unreserve(self, client_id: str, lane: str) -> None:
+        if self._reserved.get(client_id, 0) <= 0:
             return
         self._num_reserved -= 1
-        if count == 1:
-            del self._reserved[client_id]
-        else:
-            self._reserved[client_id] = count - 1
+        _add(self._reserved, client_id, -1)
+        _add(self._in_line_per_lane, lane, -1)
 
     def put_job(self, job: GenerateJob, reserved: bool = False) -> None:
         """Queue a generate job, or raise OVERLOADED / SHUTTING_DOWN / ENGINE_DEAD at once.
@@ -67,20 +76,20 @@ class Inbox:
         """
         with self._lock:
             if reserved:
-                self._unreserve(job.client_id)
-            self._check_room(job.client_id)
+                self._unreserve(job.client_id, job.fair_lane)
+            self._check_room(job.client_id, job.fair_lane)
             queue = self._per_lane.get(job.fair_lane)
             if queue is None:
                 queue = self._per_lane[job.fair_lane] = deque()
             queue.append(job)
-            self._count(job.client_id, +1)
+            self._count(job, +1)
             self._lock.notify()
 
     @property
     def has_jobs(self) -> bool:
         return self._num_queued > 0  # a plain read: a stale answer costs one loop iteration
 
-    def _check_room(self, client_id: str) -> None:
+    def _check_room(self, client_id: str, lane: str) -> None:
         if self._closed_error is not None:
             raise _fresh(self._closed_error)
         if self._queued_per_client.get(client_id):
@@ -98,6 +107,13 @@ class Inbox:
                 ErrorCode.OVERLOADED,
                 f"this connection already has {mine} requests queued (limit {self.max_queued_per_client})",
             )
+        ours = self._in_line_per_lane.get(lane, 0)
+        if ours >= self.max_queued_per_lane:
+            raise RpcError(
+                ErrorCode.OVERLOADED,
+                f"this client already has {ours} requests queued (limit {self.max_queued_per_lane}: "
+                f"a quarter of the queue is kept for other clients); retry later",
+            )
 
     def drop_cancelled(self, client_id: str) -> None:
         with self._lock:
@@ -111,20 +127,17 @@ class Inbox:
                 continue
             for job in dropped:
                 job.emit(FAILED, RpcError(ErrorCode.CANCELLED, "cancelled before it started"))
-                self._count(job.client_id, -1)
+                self._count(job, -1)
             kept = deque(job for job in queue if job not in dropped)
             if kept:
                 self._per_lane[lane] = kept
             else:
                 del self._per_lane[lane]
 
-    def _count(self, client_id: str, change: int) -> None:
+    def _count(self, job: GenerateJob, change: int) -> None:
         self._num_queued += change
-        count = self._queued_per_client.get(client_id, 0) + change
-        if count:
-            self._queued_per_client[client_id] = count
-        else:
-            del self._queued_per_client[client_id]
+        _add(self._queued_per_client, job.client_id, change)
+        _add(self._in_line_per_lane, job.fair_lane, change)
 
     def put_control(self, call: Callable[[], Any]) -> None:
         """Queue a control call; raises once the engine is gone (drain_controls), so no caller waits forever."""
@@ -164,7 +177,7 @@ class Inbox:
             return None
         lane, queue = next(iter(self._per_lane.items()))
         job = queue.popleft()
-        self._count(job.client_id, -1)
+        self._count(job, -1)
         del self._per_lane[lane]
         if queue:  # the lane goes to the back of the line
             self._per_lane[lane] = queue
@@ -177,8 +190,8 @@ class Inbox:
                 self._closed_error = error or RpcError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
             jobs = [job for queue in self._per_lane.values() for job in queue]
             self._per_lane.clear()
-            self._queued_per_client.clear()
-            self._num_queued = 0
+            for job in jobs:
+                self._count(job, -1)
             self._lock.notify_all()
             return jobs
 
@@ -203,6 +216,15 @@ class Inbox:
                 "encoding": self._num_reserved,
                 "queued_per_client": {client: n for client, n in per_client.items() if n},
             }
+
+
+def _add(counts: dict[str, int], key: str, change: int) -> None:
+    """counts[key] += change, without keeping zeros (the dicts stay as small as the line)."""
+    count = counts.get(key, 0) + change
+    if count:
+        counts[key] = count
+    else:
+        counts.pop(key, None)
 
 
 def _fresh(err: RpcError) -> RpcError:

@@ -188,11 +188,12 @@ class Handlers:
         if jobs is not None:
             jobs[msgid] = job  # cancellable from here on, encoding included
         try:
-            self.engine.inbox.reserve(job.client_id)  # a place in line before encoding: a flood is refused first
+            # A place in line before encoding: a flood is refused first.
+            self.engine.inbox.reserve(job.client_id, job.fair_lane)
             try:
                 card, reader = await self._prepare(job)
             except BaseException:
-                self.engine.inbox.release(job.client_id)
+                self.engine.inbox.release(job.client_id, job.fair_lane)
                 raise
             self.engine.submit(job, reserved=True)
         except BaseException as exc:

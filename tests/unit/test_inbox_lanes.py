@@ -75,3 +75,34 @@ def test_a_waiting_take_wakes_for_a_job_put_on_another_thread():
     inbox = Inbox(max_queued=10, max_queued_per_client=5)
     threading.Timer(0.05, lambda: inbox.put_job(job("late", lane="L"))).start()
     assert inbox.wait(timeout=10) and inbox.take_job().client_id == "late"
+
+
+def test_one_lane_cannot_fill_the_quarter_of_the_queue_kept_for_other_clients():
+    inbox = Inbox(max_queued=8, max_queued_per_client=5)
+    for i in range(5):  # five connections of one program queue; a sixth is still being encoded
+        inbox.put_job(job(f"http:{i}", lane="burst"))
+    inbox.reserve("http:5", "burst")
+    with pytest.raises(RpcError) as refused:
+        inbox.reserve("http:6", "burst")  # 6 of 8 in line: the last quarter is for everyone else
+    assert refused.value.code == ErrorCode.OVERLOADED and "other clients" in refused.value.message
+    inbox.put_job(job("c1"))  # a socket client still gets in, and so does a second one
+    inbox.reserve("c2")
+    with pytest.raises(RpcError):
+        inbox.put_job(job("c3"))  # the whole queue is full now
+    inbox.release("c2")
+    inbox.release("http:5", "burst")
+    inbox.take_job()  # the burst's first request starts: the burst may queue one more
+    inbox.put_job(job("http:7", lane="burst"))
+
+
+def test_cancelled_and_closed_jobs_give_their_lane_its_places_back():
+    inbox = Inbox(max_queued=4, max_queued_per_client=5)
+    answers: list = []
+    jobs = [job(f"http:{i}", lane="burst", answers=answers) for i in range(3)]
+    for queued in jobs:
+        inbox.put_job(queued)
+    jobs[0].cancelled.set()
+    inbox.drop_cancelled("http:0")
+    inbox.put_job(job("http:3", lane="burst"))  # the cancelled one's place
+    assert len(inbox.close()) == 3
+    assert inbox._in_line_per_lane == {}
