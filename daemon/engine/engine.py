@@ -35,6 +35,7 @@ from .model_residency import ModelResidency
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .settings import CPU_PASS_DEPTH_SCALE, EngineSettings, default_prefill_chunk
+from .step_trace import StepTrace
 from .warm_up import resolve_mode as warm_up_wanted
 from .warm_up import run_all, warm_up_steps
 
@@ -254,6 +255,8 @@ class Engine:
             log.critical("engine_thread_failed", exc_info=True)
             reason = f"{type(exc).__name__}: {exc}"
         finally:
+            if self.scheduler.trace is not None:
+                self.scheduler.trace.close()
             if not self._stopping.is_set():
                 self._die(reason)
 
@@ -454,6 +457,7 @@ class Engine:
             shadow_action=self.settings.shadow_action,
             pass_depth_scale=None if on_gpu else CPU_PASS_DEPTH_SCALE,
             agree=self.inputs.agree,
+            trace=StepTrace.from_environment(),
         )
         self.residency = ModelResidency(
             self.catalog,

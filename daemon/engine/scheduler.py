@@ -42,6 +42,7 @@ from .step_plan import Finish, Join, Prefilled, PrefillPass, Runner, StartPrefil
 if TYPE_CHECKING:
     from ..models.loaded_model import LoadedModel
     from .batch_decoder import StepEvent
+    from .step_trace import StepTrace
 
 log = structlog.get_logger("prefixd.scheduler")
 
@@ -79,6 +80,7 @@ class Scheduler:
         shadow_action: str = "log",
         pass_depth_scale: int | None = None,
         agree: Callable[[bool], bool] = lambda decision: decision,
+        trace: StepTrace | None = None,
     ):
         self.store = store
         self.chunk_size = chunk_size
@@ -87,6 +89,7 @@ class Scheduler:
         self.kv_budget = kv_budget  # shared with the store: it holds what running sequences leave
         self.resolve_model = resolve_model
         self.runner = runner
+        self.trace = trace  # PREFIXD_TRACE_STEPS: one line per plan run (step_trace.py)
         self.active: list[SequenceState] = []
         self._prefill_turns: deque[SequenceState] = deque()
         self._followups = StepPlan()
@@ -268,8 +271,22 @@ class Scheduler:
     def _run(self, plan: StepPlan) -> None:
         """Run ``plan`` and apply its result, then the follow-ups that result called for, until none is left."""
         while plan:
-            self.apply(self.runner.run(plan))
+            if self.trace is None:
+                self.apply(self.runner.run(plan))
+            else:
+                line = self.trace.describe(plan, self._decode_rows())
+                started_at, started = time.time(), time.perf_counter()
+                result = self.runner.run(plan)
+                self.trace.write(line, started_at, time.perf_counter() - started)
+                self.apply(result)
             plan, self._followups = self._followups, StepPlan()
+
+    def _decode_rows(self) -> dict[str, int]:
+        rows: dict[str, int] = {}
+        for seq in self.active:
+            if seq.phase is Phase.DECODE:
+                rows[seq.loaded.name] = rows.get(seq.loaded.name, 0) + 1
+        return rows
 
     def _decoding_models(self) -> list[str]:
         return list(dict.fromkeys(seq.loaded.name for seq in self.active if seq.phase is Phase.DECODE))

@@ -364,3 +364,20 @@ def test_on_a_cpu_the_planned_passes_shorten_as_the_prompt_deepens(runner, repli
     assert runner.pass_tokens[-2] < runner.pass_tokens[1] < CHUNK_SIZE
     assert sum(runner.pass_tokens) == 12 * CHUNK_SIZE  # every prompt token fed once, the last one included
     assert replies.final("long")[0] == DONE
+
+
+def test_the_step_trace_has_a_line_per_plan_run_with_each_pass_range(runner, replies, tmp_path):
+    from prefixd.daemon.engine.step_trace import StepTrace, read_trace
+
+    trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    scheduler = make_scheduler(runner, trace=trace)
+    assert scheduler.admit(replies.job("long", 2 * CHUNK_SIZE + 10, max_tokens=3))
+    run_until_idle(scheduler)
+    trace.close()
+    lines = read_trace((tmp_path / "steps.jsonl").read_text().splitlines())
+    assert len(lines) == len(runner.plans)
+    passes = [(start, end) for line in lines for _, start, end in line["prefill"] if end > start]
+    assert passes[0][0] == 0 and passes[-1][1] == 2 * CHUNK_SIZE + 10  # the whole prompt
+    assert all(a[1] == b[0] for a, b in zip(passes, passes[1:]))  # one pass starts where the previous ended
+    assert sum(1 for line in lines if line["decode"]) >= 2 and all(line["ms"] >= 0 for line in lines)
+    assert {rid for line in lines for rid, *_ in line["prefill"]} == {rid for line in lines for rid in line["starts"]}
