@@ -12,7 +12,8 @@
 # (bench/probes/cuda_cache_fuse.py: MLX's cache-thrashing fuse and the daemon's setting); quick-nographs,
 # full-nographs: every system with MLX_USE_CUDA_GRAPHS=0; agent, agent-quick, lfm2-agent (bench/agent_workload.py:
 # 4 agents x 8 turns on an ~8,000-token tool-laden system prompt, prefixd vs mlx-lm server; quick: 2 x 4 on 1,500);
-# fairness, lfm2-fairness (bench/fairness.py --quick); quick-alt (compare.py --quick on the prefixd in $ALT_TREE).
+# fairness, lfm2-fairness (bench/fairness.py --quick; fairness and fairness-full, the full form, write the engine's
+# step trace beside their figures: PREFIXD_TRACE_STEPS); quick-alt (compare.py --quick on the prefixd in $ALT_TREE).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -60,7 +61,8 @@ for s in "$@"; do
     full-fused) PREFIXD_ATTENTION=fused step full-fused python3 bench/compare.py --model /tmp/q06 --out "$out/full-fused" ;;
     lfm2-quick-fused) PREFIXD_ATTENTION=fused step lfm2-quick-fused python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick-fused" ;;
     lfm2-full) step lfm2-full python3 bench/compare.py --model /tmp/lfm2 --out "$out/lfm2-full" ;;
-    fairness) step fairness python3 bench/fairness.py --quick --model /tmp/q06 --json "$out/fairness.json" ;;
+    fairness) PREFIXD_TRACE_STEPS="$out/fairness-steps.jsonl" step fairness python3 bench/fairness.py --quick --model /tmp/q06 --json "$out/fairness.json" ;;
+    fairness-full) PREFIXD_TRACE_STEPS="$out/fairness-full-steps.jsonl" step fairness-full python3 bench/fairness.py --model /tmp/q06 --json "$out/fairness-full.json" ;;
     lfm2-fairness) step lfm2-fairness python3 bench/fairness.py --quick --model /tmp/lfm2 --json "$out/lfm2-fairness.json" ;;
     quick-alt)  # compare.py --quick on another tree's prefixd (ALT_TREE: a folder with its daemon/ client/ protocol/)
       mkdir -p /tmp/pfx-alt/prefixd

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import IO, Iterable
+from typing import IO
 
 from .step_plan import StepPlan
 
@@ -57,8 +57,3 @@ class StepTrace:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def read_trace(lines: Iterable[str]) -> list[dict]:
-    """The records of a trace file (for tests and benchmarks)."""
-    return [json.loads(line) for line in lines if line.strip()]

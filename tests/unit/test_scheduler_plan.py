@@ -8,6 +8,7 @@ and what each request was answered.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -367,14 +368,14 @@ def test_on_a_cpu_the_planned_passes_shorten_as_the_prompt_deepens(runner, repli
 
 
 def test_the_step_trace_has_a_line_per_plan_run_with_each_pass_range(runner, replies, tmp_path):
-    from prefixd.daemon.engine.step_trace import StepTrace, read_trace
+    from prefixd.daemon.engine.step_trace import StepTrace
 
     trace = StepTrace(str(tmp_path / "steps.jsonl"))
     scheduler = make_scheduler(runner, trace=trace)
     assert scheduler.admit(replies.job("long", 2 * CHUNK_SIZE + 10, max_tokens=3))
     run_until_idle(scheduler)
     trace.close()
-    lines = read_trace((tmp_path / "steps.jsonl").read_text().splitlines())
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(lines) == len(runner.plans)
     passes = [(start, end) for line in lines for _, start, end in line["prefill"] if end > start]
     assert passes[0][0] == 0 and passes[-1][1] == 2 * CHUNK_SIZE + 10  # the whole prompt
