@@ -167,6 +167,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--daemon-arg", action="append", default=[], help="passed to the daemon (repeat)")
+    parser.add_argument("--only", action="append", default=[], help="run the cases whose name holds this (repeat)")
     args = parser.parse_args()
 
     port, token = free_port(), "fairness-bench"
@@ -215,6 +216,8 @@ def main() -> int:
                 socket_request(path, {"prompt": raw_prompt(150, seed=10 + i), "max_tokens": 8, "cache": NO_CACHE})
                 for i in range(num_cold)])),
         ]
+        if args.only:
+            cases = [(name, load) for name, load in cases if any(part in name for part in args.only)]
         for name, load in cases:
             row = {"case": name, **run_case(path, load)}
             row["target_s"] = target
