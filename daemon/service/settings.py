@@ -226,7 +226,7 @@ SETTINGS: dict[str, Setting] = {
             whole(1),
             SCHEDULING,
             "sequences prefilling or decoding at once (one decode batch per model); the rest queue",
-            default=16,
+            default=32,
         ),
         Setting(
             "keep_alive",

@@ -19,7 +19,7 @@ import pytest
 from tests.e2e.daemon_process import REQUEST, DaemonProcess, RawConnection
 
 OUTBOX_LIMIT = 64 * 1024
-NUM_STREAMS = 8  # fewer than --max-active (16): the bystander runs beside them, not after them
+NUM_STREAMS = 8  # fewer than --max-active (32): the bystander runs beside them, not after them
 BYSTANDER = {"prompt": "A bystander asks the same thing again", "max_tokens": 6}
 
 
