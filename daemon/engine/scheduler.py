@@ -92,6 +92,7 @@ class Scheduler:
         self.trace = trace  # PREFIXD_TRACE_STEPS: one line per plan run (step_trace.py)
         self.active: list[SequenceState] = []
         self._prefill_turns: deque[SequenceState] = deque()
+        self._tail_round: set[str] = set()  # the clients whose short tails ran in this round (_next_tail)
         self._followups = StepPlan()
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         # Seconds spent prefilling and decoding since both last had work (see step).
@@ -364,7 +365,10 @@ class Scheduler:
         Tails go in the order they became ready, not shortest first: all cost
         about a step, and a stream of shorter ones (a burst of cache hits a token
         or two long) would otherwise hold a six-token cold prompt back until the
-        stream ended (bench/fairness.py, the HTTP burst).
+        stream ended (bench/fairness.py, the HTTP burst). And clients take
+        turns, as in the inbox (GenerateJob.fair_lane): a burst's thirty admitted
+        tails ran ahead of another client's one, 11 ms each on an H100 (the
+        fairness benchmark's step trace); now it goes after at most one of theirs.
         """
 
         def is_short(seq: SequenceState) -> bool:
@@ -378,7 +382,7 @@ class Scheduler:
             tails = [s for s in self._prefill_turns if s.phase is Phase.PREFILL and is_short(s)]
             if not tails:
                 break
-            seq = tails[0]
+            seq = self._next_tail(tails)
             self._prefill_turns.remove(seq)
             self._run(self._plan_pass(seq))
             ran += 1
@@ -386,6 +390,17 @@ class Scheduler:
             for seq in passed_over:
                 seq.num_prefill_skips += 1
         return ran
+
+    def _next_tail(self, tails: list[SequenceState]) -> SequenceState:
+        """The oldest ready tail of a client not yet served in this round of tails; a new round when all were."""
+        for seq in tails:
+            if seq.job.fair_lane not in self._tail_round:
+                break
+        else:
+            self._tail_round.clear()
+            seq = tails[0]
+        self._tail_round.add(seq.job.fair_lane)
+        return seq
 
     def _plan_pass(self, seq: SequenceState) -> StepPlan:
         """The next pass of a prompt whose turn it is: up to its next stops (prefill.next_stops)."""

@@ -140,12 +140,13 @@ class Replies:
     def __init__(self):
         self.events: dict[str, list[tuple[str, Any]]] = {}
 
-    def job(self, name: str, num_tokens: int, max_tokens: int = 4, first_token: int = 1000, **params) -> GenerateJob:
+    def job(self, name: str, num_tokens: int, max_tokens: int = 4, first_token: int = 1000, lane: str | None = None,
+            **params) -> GenerateJob:
         tokens = list(range(first_token, first_token + num_tokens))
         self.events[name] = []
         return GenerateJob(name, 1, parse_generate({"prompt": "unused", "max_tokens": max_tokens, **params}),
                            lambda kind, payload: self.events[name].append((kind, payload)),
-                           encoded=EncodedPrompt(tokens))
+                           encoded=EncodedPrompt(tokens), lane=lane)
 
     def final(self, name: str) -> tuple[str, Any] | None:
         finals = [e for e in self.events[name] if e[0] in (DONE, FAILED)]
@@ -266,6 +267,19 @@ def test_a_stream_of_shorter_tails_does_not_hold_back_a_tail_that_came_first(run
         scheduler.admit(replies.job(f"hit{index}", 2 + index % 3, max_tokens=1, first_token=5000))
     scheduler.step()
     assert replies.has_first_token("bystander")
+
+
+def test_short_tails_take_turns_between_clients_not_connections(runner, replies):
+    """Thirty tails of one program's burst were admitted first; another client's tail goes after one of theirs."""
+    scheduler = make_scheduler(runner, max_active=64)
+    scheduler.admit(replies.job("answer", 10, max_tokens=100))
+    scheduler.step()
+    for index in range(30):
+        scheduler.admit(replies.job(f"http{index}", 3, max_tokens=1, first_token=5000 + index, lane="burst"))
+    scheduler.admit(replies.job("bystander", 6, max_tokens=1, first_token=7000))
+    before = len(runner.passes)
+    scheduler.step()
+    assert runner.passes[before : before + 4] == ["http0", "bystander", "http1", "http2"]
 
 
 def run_until_idle_of(scheduler: Scheduler, name: str, replies: Replies) -> None:
