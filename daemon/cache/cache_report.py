@@ -31,6 +31,7 @@ class CacheReport:
     diverged_at: int | None = None
     diverged_message: dict[str, Any] | None = None
     source: str | None = None  # memory | disk: where the reused prefix was computed; None when nothing was reused
+    kv: str | None = None  # the model's attention KV, stored and computed: float32, q8 (group 64), ... (--kv-bits)
 
     def turn_off(self, reason: str) -> None:
         self.hit, self.miss_reason = "off", reason
@@ -61,6 +62,7 @@ class CacheReport:
             "age_s": self.age_s,
             "saved_ms_est": self.saved_ms_est,
             "source": self.source,
+            "kv": self.kv,
             "miss_reason": self.miss_reason,
             "diverged_at": self.diverged_at,
             "diverged_message": self.diverged_message,

@@ -47,7 +47,11 @@ class ControlCalls:
                 "per_model": {names.get(ns, ns): _plain(s) for ns, s in store_stats.namespaces.items()},
             },
             "models": {
-                name: {"prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1), "weight_bytes": m.weight_bytes}
+                name: {
+                    "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1),
+                    "weight_bytes": m.weight_bytes,
+                    "kv": m.kv,
+                }
                 for name, m in engine.models.items()
             },  # the loaded ones
             "residency": {

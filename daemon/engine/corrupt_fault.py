@@ -12,8 +12,11 @@ from .faults import fault_fires
 
 
 def corrupted_if_asked(segment: KVSegment | None) -> KVSegment | None:
-    """The segment as given, or (when the fault fires) with every value negated and shifted."""
+    """The segment as given, or (when the fault fires) with every value negated and shifted (packed: its scales)."""
     if segment is None or not fault_fires("corrupt_segment"):
         return segment
-    values = [-v + 1 for v in segment.values]
-    return KVSegment(list(segment.keys), values, segment.num_tokens)
+    if segment.bits:
+        values = [(codes, -scales + 1, biases) for codes, scales, biases in segment.values]
+    else:
+        values = [-v + 1 for v in segment.values]
+    return KVSegment(list(segment.keys), values, segment.num_tokens, segment.bits)

@@ -428,6 +428,7 @@ class Engine:
             self.settings.dtype,
             self.settings.found_model_specs,
             self.settings.chat_templates,
+            self.settings.kv_bits,
         )
         self.cards = {name: entry.card for name, entry in self.catalog.items()}
         self.model_names = tuple(self.catalog)
@@ -481,6 +482,7 @@ class Engine:
             attention=self.settings.attention,
             load_weights=self._load_weights,
             chat_template=entry.chat_template,
+            kv_bits=entry.layout.kv_bits,
         )
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
@@ -495,6 +497,7 @@ class Engine:
             self.settings.attention,
             self._tokenizer_pool,
             chat_template=entry.chat_template,
+            kv_bits=entry.layout.kv_bits,
         )
         warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
@@ -523,6 +526,7 @@ class Engine:
             dtype=loaded.dtype,
             hybrid=loaded.layout.is_hybrid,
             cache_layers=loaded.layout.describe(),
+            kv=loaded.kv,
             attention=loaded.attention,
             short_conv=loaded.short_conv,
             warm_up_s=None if warm_up_seconds is None else round(warm_up_seconds, 3),

@@ -87,7 +87,7 @@ def make_sequence(job: GenerateJob, loaded: LoadedModel) -> SequenceState:
         job,
         loaded,
         prompt,
-        CacheReport(prompt_tokens=len(prompt.tokens)),
+        CacheReport(prompt_tokens=len(prompt.tokens), kv=loaded.kv),
         max_new_tokens=max_new_tokens,
         uses_cache=job.params.cache.use,
     )

@@ -190,7 +190,7 @@ class Scheduler:
             # The shadow check caught this checkpoint kind giving wrong output (--shadow-action stop-reuse).
             kind = seq.report.checkpoint
             seq.uses_cache = False
-            seq.report = CacheReport(prompt_tokens=len(seq.tokens))
+            seq.report = CacheReport(prompt_tokens=len(seq.tokens), kv=seq.loaded.kv)
             self._followups.starts.append(StartPrefill(seq, distrusted=kind))
             return
         leader, shared = self._prefilling_leader(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.chat_template_file import ChatTemplateFile
+from ..models.kv_bits_setting import KvBitsChoice
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class EngineSettings:
     max_model_bytes: int = 0  # loaded models' weights together; 0: no limit (engine/model_residency.py)
     found_model_specs: tuple[str, ...] = ()  # found in --models-dir: served after model_specs, skipped if unservable
     chat_templates: tuple[ChatTemplateFile, ...] = ()  # --chat-template: read at start, each replacing a model's own
+    kv_bits: tuple[KvBitsChoice, ...] = ()  # --kv-bits: the models whose attention KV is quantized (kv/quantized_kv.py)
     mlx_cache_bytes: int | None = (
         None  # freed device memory MLX keeps for reuse; None: engine/device_memory.py's default
     )

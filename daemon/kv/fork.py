@@ -1,7 +1,10 @@
 """Live mlx-lm caches to and from store payloads: capture what a prefill computed, fork a hit.
 
 A fork never aliases the store, and a capture never aliases the live cache,
-so writing to either never changes the other (tests pin this).
+so writing to either never changes the other (tests pin this). A
+``--kv-bits`` model's live caches are round_trip_cache.py's: a fork
+dequantizes the stored segments for attention and keeps their packed form
+beside them; a capture takes the packed form the live cache kept.
 Engine thread only: every function here makes MLX calls.
 """
 
@@ -14,8 +17,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cuda import on_cuda
 from .layout import CacheLayout
+from .quantized_kv import KvQuantization
+from .round_trip_cache import NUM_PACKED_PARTS, RoundTripKVCache, RoundTripWindowKVCache
 from .segments import KVSegment, StateSnapshot
-from .window_kv import window_cache, window_range
+from .window_kv import fill_window, window_cache, window_range
 
 # Spare room given to a forked attention cache, so the first tokens appended
 # after a hit write in place instead of triggering a second full copy.
@@ -36,7 +41,11 @@ def can_capture(cache: list[Any], layout: CacheLayout, start: int) -> bool:
     was fed in mlx-lm's batch), so such an answer longer than the window can
     no longer be stored whole.
     """
-    return all(window_range(cache[i], start, cache[i].offset) is not None for i in layout.window_layers)
+    return all(
+        window_range(layer, start, layer.offset) is not None
+        for i in layout.window_layers
+        for layer in ([cache[i], *cache[i].packed] if layout.kv_bits else [cache[i]])
+    )
 
 
 def capture_segment(cache: list[Any], layout: CacheLayout, start: int, end: int) -> KVSegment | None:
@@ -46,14 +55,20 @@ def capture_segment(cache: list[Any], layout: CacheLayout, start: int, end: int)
     keys, values = [], []
     windows = set(layout.window_layers)
     for i in layout.attention_layers:
-        if i in windows:
-            layer_keys, layer_values = window_range(cache[i], start, end)
-        else:
-            layer_keys, layer_values = cache[i].keys[..., start:end, :], cache[i].values[..., start:end, :]
-        keys.append(mx.contiguous(layer_keys))
-        values.append(mx.contiguous(layer_values))
+        # A --kv-bits model's packed form, which the live cache kept: never a re-quantization (quantized_kv.py).
+        parts = cache[i].packed if layout.kv_bits else [cache[i]]
+        ranges = [
+            window_range(part, start, end)
+            if i in windows
+            else (part.keys[..., start:end, :], part.values[..., start:end, :])
+            for part in parts
+        ]
+        layer_keys = tuple(mx.contiguous(k) for k, _ in ranges)
+        layer_values = tuple(mx.contiguous(v) for _, v in ranges)
+        keys.append(layer_keys if layout.kv_bits else layer_keys[0])
+        values.append(layer_values if layout.kv_bits else layer_values[0])
     mx.eval(keys, values)
-    return KVSegment(keys, values, end - start)
+    return KVSegment(keys, values, end - start, layout.kv_bits)
 
 
 def capture_snapshot(cache: list[Any], layout: CacheLayout) -> StateSnapshot | None:
@@ -72,6 +87,40 @@ def capture_snapshot(cache: list[Any], layout: CacheLayout) -> StateSnapshot | N
     return StateSnapshot(states)
 
 
+def live_cache(model: Any, layout: CacheLayout) -> list[Any]:
+    """An empty live cache for ``model``: mlx-lm's, with prefixd's window layers and, under --kv-bits, round-trip ones."""
+    cache = make_prompt_cache(model)
+    quant = layout.quantization
+    windows = set(layout.window_layers)
+    for layer_index in layout.attention_layers:
+        if layer_index in windows:  # the same class, plus a record of what decode drops (window_kv.py)
+            cache[layer_index] = (
+                window_cache(layout.window_size) if quant is None else RoundTripWindowKVCache(layout.window_size, quant)
+            )
+        elif quant is not None:
+            cache[layer_index] = RoundTripKVCache(quant)
+    return cache
+
+
+def _layer_pieces(segments: list[KVSegment], position: int, quant: KvQuantization | None) -> list[list[mx.array]]:
+    """[keys, values] of one global layer, one piece per segment; under --kv-bits the dequantized ones, then
+    each packed part's keys and values (the order of RoundTripKVCache and its ``packed``)."""
+    if quant is None:
+        return [[s.keys[position] for s in segments], [s.values[position] for s in segments]]
+    pieces = [
+        [quant.dequantize(s.keys[position]) for s in segments],
+        [quant.dequantize(s.values[position]) for s in segments],
+    ]
+    for part in range(NUM_PACKED_PARTS):
+        pieces += [[s.keys[position][part] for s in segments], [s.values[position][part] for s in segments]]
+    return pieces
+
+
+def _with_headroom(pieces: list[mx.array]) -> mx.array:
+    batch, heads, _, dim = pieces[0].shape
+    return mx.concatenate([*pieces, mx.zeros((batch, heads, FORK_HEADROOM_TOKENS, dim), pieces[0].dtype)], axis=2)
+
+
 def fork_cache(
     model: Any,
     layout: CacheLayout,
@@ -85,35 +134,36 @@ def fork_cache(
     by concatenation, state layers get new array objects. Writing to the fork
     therefore never changes a stored entry (tests pin this).
     """
-    cache = make_prompt_cache(model)
-    for layer_index in layout.window_layers:  # the same class, plus a record of what decode drops (window_kv.py)
-        cache[layer_index] = window_cache(layout.window_size)
+    cache = live_cache(model, layout)
     if length == 0:
         return cache
     assert sum(s.num_tokens for s in segments) == length, "segments must cover the prefix exactly"
     assert snapshot is not None or not layout.is_hybrid, "a hybrid fork needs a state snapshot"
+    assert all(s.bits == layout.kv_bits for s in segments), "segments stored at another --kv-bits"
+    quant = layout.quantization
     windows = set(layout.window_layers)
     full = [
         (position, layer_index)
         for position, layer_index in enumerate(layout.attention_layers)
         if layer_index not in windows
     ]
-    parts = [[s.keys[position] for s in segments] for position, _ in full]
-    parts += [[s.values[position] for s in segments] for position, _ in full]
+    # Per global layer, the arrays its live cache holds, each as one piece per segment (_layer_pieces).
+    pieces = [_layer_pieces(segments, position, quant) for position, _ in full]
+    parts = [part for layer in pieces for part in layer]
     if len(segments) > FORK_GROUP and (GROUPED_FORK if GROUPED_FORK is not None else on_cuda()):
         parts = _join_in_groups(parts)
     for position, layer_index in enumerate(layout.attention_layers):
         if layer_index in windows:
-            cache[layer_index] = _fork_window(layout.window_size, segments, position, length)
-    for index, (position, layer_index) in enumerate(full):
-        keys, values = parts[index], parts[len(full) + index]
-        batch, heads, _, key_dim = keys[0].shape
-        keys.append(mx.zeros((batch, heads, FORK_HEADROOM_TOKENS, key_dim), keys[0].dtype))
-        values.append(mx.zeros((batch, heads, FORK_HEADROOM_TOKENS, values[0].shape[-1]), values[0].dtype))
+            cache[layer_index] = _fork_window(layout.window_size, segments, position, length, quant)
+    per_layer = len(pieces[0]) if pieces else 0
+    for index, (_, layer_index) in enumerate(full):
+        layer_parts = parts[index * per_layer : (index + 1) * per_layer]
         layer_cache = cache[layer_index]
-        layer_cache.keys = mx.concatenate(keys, axis=2)
-        layer_cache.values = mx.concatenate(values, axis=2)
-        layer_cache.offset = length
+        targets = [layer_cache, *layer_cache.packed] if quant else [layer_cache]
+        for target, keys, values in zip(targets, layer_parts[0::2], layer_parts[1::2]):
+            target.keys = _with_headroom(keys)
+            target.values = _with_headroom(values)
+            target.offset = length
     if snapshot is not None:
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
@@ -162,11 +212,14 @@ def evaluate_fork(cache: list[Any]) -> None:
     mx.eval([c.state for c in cache])
 
 
-def _fork_window(window_size: int, segments: list[KVSegment], position: int, length: int) -> Any:
+def _fork_window(
+    window_size: int, segments: list[KVSegment], position: int, length: int, quant: KvQuantization | None
+) -> Any:
     """A sliding-window layer at ``length``: the last min(length, window) stored positions, in order.
 
     Only the tail segments are read; the concatenation is a new array, so the
-    fork never aliases the store.
+    fork never aliases the store. Under --kv-bits the packed parts are
+    rebuilt the same way and attention gets their dequantization.
     """
     needed = min(length, window_size)
     keys, values = [], []
@@ -174,9 +227,24 @@ def _fork_window(window_size: int, segments: list[KVSegment], position: int, len
         if needed == 0:
             break
         take = min(needed, segment.num_tokens)
-        keys.append(segment.keys[position][..., segment.num_tokens - take :, :])
-        values.append(segment.values[position][..., segment.num_tokens - take :, :])
+        keys.append(_tail(segment.keys[position], take))
+        values.append(_tail(segment.values[position], take))
         needed -= take
     keys.reverse()
     values.reverse()
-    return window_cache(window_size, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), length)
+    if quant is None:
+        return window_cache(window_size, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), length)
+    packed_keys = tuple(mx.concatenate([k[part] for k in keys], axis=2) for part in range(NUM_PACKED_PARTS))
+    packed_values = tuple(mx.concatenate([v[part] for v in values], axis=2) for part in range(NUM_PACKED_PARTS))
+    cache = RoundTripWindowKVCache(window_size, quant)
+    fill_window(cache, quant.dequantize(packed_keys), quant.dequantize(packed_values), length)
+    for part, part_keys, part_values in zip(cache.packed, packed_keys, packed_values):
+        fill_window(part, part_keys, part_values, length)
+    return cache
+
+
+def _tail(layer: Any, num_tokens: int) -> Any:
+    """The last ``num_tokens`` positions of a stored layer: an array, or each array of a packed one."""
+    if isinstance(layer, tuple):
+        return tuple(array[..., array.shape[2] - num_tokens :, :] for array in layer)
+    return layer[..., layer.shape[2] - num_tokens :, :]

@@ -8,7 +8,9 @@ all of them, so a fork at any depth can rebuild the window there; see
 window_kv.py). State layers (``ArraysCache``: the conv/SSM state of hybrid
 models) are not trimmable: such a model can only resume where a snapshot of
 them was taken. Anything else (quantized, chunked caches; a rotating cache
-with ``keep`` tokens) is not stored at all.
+with ``keep`` tokens) is not stored at all. ``kv_bits`` (--kv-bits) says
+whether the attention layers' KV is quantized, in the store and in every
+live pass (quantized_kv.py, round_trip_cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from .quantized_kv import KvQuantization
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class CacheLayout:
     other_layers: tuple[int, ...]
     window_layers: tuple[int, ...] = ()  # the RotatingKVCache ones among attention_layers
     window_size: int = 0  # their max_size (one size for all of them)
+    kv_bits: int = 0  # 8 or 4: attention KV quantized (--kv-bits); 0: full precision
+
+    @property
+    def quantization(self) -> KvQuantization | None:
+        return KvQuantization(self.kv_bits) if self.kv_bits else None
 
     @property
     def is_hybrid(self) -> bool:
@@ -47,8 +56,11 @@ class CacheLayout:
         }
 
 
-def make_cache_layout(model: Any) -> CacheLayout:
-    """Classify the layers of the cache that mlx-lm makes for ``model``."""
+def make_cache_layout(model: Any, kv_bits: int = 0) -> CacheLayout:
+    """Classify the layers of the cache that mlx-lm makes for ``model``.
+
+    ``kv_bits`` applies to attention layers: a model without any keeps 0.
+    """
     attention, window, state, other = [], [], [], []
     window_sizes = set()
     for index, layer_cache in enumerate(make_prompt_cache(model)):
@@ -69,7 +81,14 @@ def make_cache_layout(model: Any) -> CacheLayout:
     if len(window_sizes) > 1:  # never seen; one size keeps the fork and its tests simple
         other, attention, window = sorted(other + window), [i for i in attention if i not in window], []
         window_sizes = set()
-    return CacheLayout(tuple(attention), tuple(state), tuple(other), tuple(window), max(window_sizes, default=0))
+    return CacheLayout(
+        tuple(attention),
+        tuple(state),
+        tuple(other),
+        tuple(window),
+        max(window_sizes, default=0),
+        kv_bits if attention else 0,
+    )
 
 
 def unbatchable_cache_types(caches: list[Any]) -> list[str]:

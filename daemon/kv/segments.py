@@ -2,7 +2,9 @@
 
 * ``KVSegment``: the keys and values of every attention layer for a run of
   tokens. Attention caches are trimmable, so any prefix of a stored sequence
-  can be rebuilt by concatenating segments.
+  can be rebuilt by concatenating segments. A ``--kv-bits`` model's segments
+  hold each layer's keys and values packed (quantized_kv.py: codes, scales,
+  biases), and count what they hold.
 * ``StateSnapshot``: the state of every non-trimmable layer (the conv/SSM
   state that mlx-lm keeps in ``ArraysCache``) at one exact depth. A hybrid
   model can only resume where such a snapshot exists.
@@ -19,18 +21,27 @@ from typing import Iterable
 
 import mlx.core as mx
 
+from .quantized_kv import Packed
+
 
 class KVSegment:
-    """Keys and values of all attention layers for ``num_tokens`` consecutive tokens."""
+    """Keys and values of all attention layers for ``num_tokens`` consecutive tokens.
 
-    __slots__ = ("keys", "values", "num_tokens", "nbytes")
+    ``bits`` 0: one array per layer; 8 or 4: one ``Packed`` per layer, whose
+    groups run along head_dim, so a token range of it is that range packed.
+    """
+
+    __slots__ = ("keys", "values", "num_tokens", "nbytes", "bits")
     source = "memory"  # where it was computed; persist.entries.DiskKVSegment says "disk"
 
-    def __init__(self, keys: list[mx.array], values: list[mx.array], num_tokens: int):
+    def __init__(
+        self, keys: list[mx.array] | list[Packed], values: list[mx.array] | list[Packed], num_tokens: int, bits: int = 0
+    ):
         self.keys = keys
         self.values = values
         self.num_tokens = num_tokens
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
+        self.bits = bits
+        self.nbytes = sum(array.nbytes for layer in keys + values for array in _arrays(layer))
 
     def split(self, n: int) -> tuple["KVSegment", "KVSegment"]:
         """Copies of the first n tokens and of the rest; self is left untouched.
@@ -54,11 +65,21 @@ class StateSnapshot:
         self.nbytes = sum(a.nbytes for layer in states for a in layer if a is not None)
 
 
+def _arrays(layer: mx.array | Packed) -> tuple[mx.array, ...]:
+    return layer if isinstance(layer, tuple) else (layer,)
+
+
+def _copy_layer(layer: mx.array | Packed, start: int, end: int) -> mx.array | Packed:
+    if isinstance(layer, tuple):
+        return tuple(mx.contiguous(array[..., start:end, :]) for array in layer)
+    return mx.contiguous(layer[..., start:end, :])
+
+
 def _copy_range(segment: KVSegment, start: int, end: int) -> KVSegment:
-    keys = [mx.contiguous(k[..., start:end, :]) for k in segment.keys]
-    values = [mx.contiguous(v[..., start:end, :]) for v in segment.values]
+    keys = [_copy_layer(k, start, end) for k in segment.keys]
+    values = [_copy_layer(v, start, end) for v in segment.values]
     mx.eval(keys, values)
-    return KVSegment(keys, values, end - start)
+    return KVSegment(keys, values, end - start, segment.bits)
 
 
 def segments_source(segments: Iterable[KVSegment]) -> str:

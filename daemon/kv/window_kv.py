@@ -178,7 +178,12 @@ def window_cache(
     """A window layer at ``depth`` holding ``keys``/``values``: the last min(depth, window_size) positions, in order."""
     cache = WindowKVCache(window_size)
     if depth:
-        assert keys.shape[2] == min(depth, window_size), (keys.shape, depth, window_size)
-        cache.keys, cache.values = keys, values
-        cache.offset, cache._idx = depth, keys.shape[2]
+        fill_window(cache, keys, values, depth)
     return cache
+
+
+def fill_window(cache: WindowKVCache, keys: mx.array, values: mx.array, depth: int) -> None:
+    """Make a fresh window layer hold ``keys``/``values`` at ``depth`` (see window_cache)."""
+    assert cache.offset == 0 and keys.shape[2] == min(depth, cache.max_size), (keys.shape, depth, cache.max_size)
+    cache.keys, cache.values = keys, values
+    cache.offset, cache._idx = depth, keys.shape[2]

@@ -20,7 +20,9 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
 from ...protocol.methods import PromptInput
+from ..kv.fork import live_cache
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
+from ..kv.quantized_kv import describe_kv
 from . import short_conv, tail_attention
 from .generic_tools import tools_path
 from .prompt_encoding import EncodedPrompt, PromptEncoder
@@ -57,6 +59,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
     short_conv: str = "native"  # the form of a hybrid model's short convolutions (short_conv.py)
+    kv: str = ""  # its attention KV as stats say it: float32, q8 (group 64), ... (quantized_kv.describe_kv)
 
     def describe(self, default: bool) -> dict[str, Any]:
         return model_description(self, default, self.attention)
@@ -88,6 +91,7 @@ def model_description(model: Any, default: bool, attention: str | None) -> dict[
         "hybrid": model.layout.is_hybrid,
         "dtype": model.dtype,
         "cache_layers": model.layout.describe(),
+        "kv": model.kv,  # the store's and live passes' attention KV: the dtype, or q8/q4 and its group (--kv-bits)
         "attention": attention,  # None until it loads (tail_attention.py chooses then)
         "tools": tools_path(model.tokenizer),  # its template's own tool section, prefixd's generic one, or none
     }
@@ -101,6 +105,7 @@ def load_model(
     load_weights: Callable[[str], tuple[Any, Any]] = mlx_lm_load,
     conv: str = "auto",
     chat_template: str | None = None,
+    kv_bits: int = 0,
 ) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
@@ -111,6 +116,7 @@ def load_model(
     ``chat_template``: a template replacing the model's own (--chat-template,
     chat_template_file.py); a tokenizer from ``load_weights`` without it is
     loaded again with it.
+    ``kv_bits``: 8 or 4 quantizes its attention KV (--kv-bits, kv/quantized_kv.py); 0 keeps full precision.
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
@@ -125,11 +131,11 @@ def load_model(
     context_length = _context_length(config)
     weight_bytes = sum(v.nbytes for _, v in _flatten(model.parameters()))
     first_param = next(v for _, v in _flatten(model.parameters()))
-    layout = make_cache_layout(model)
+    layout = make_cache_layout(model, kv_bits)
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
     conv = short_conv.install(model, conv)
-    kv_bytes_per_token, state_bytes_per_sequence = _measure_cache_bytes(model, layout)
+    kv_bytes_per_token, state_bytes_per_sequence, kv_dtype, head_dims = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
         path=path,
@@ -139,7 +145,7 @@ def load_model(
         layout=layout,
         kv_bytes_per_token=kv_bytes_per_token,
         state_bytes_per_sequence=state_bytes_per_sequence,
-        fingerprint=model_fingerprint(path, tokenizer, str(first_param.dtype)),
+        fingerprint=model_fingerprint(path, tokenizer, str(first_param.dtype), layout.kv_bits),
         context_length=context_length,
         dtype=str(first_param.dtype).replace("mlx.core.", ""),
         load_seconds=load_seconds,
@@ -147,7 +153,12 @@ def load_model(
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         attention=attention,
         short_conv=conv,
+        kv=describe_kv(layout.kv_bits, kv_dtype or _dtype_name(first_param.dtype), head_dims),
     )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("mlx.core.", "")
 
 
 def tokenizer_extra(chat_template: str | None) -> dict[str, Any] | None:
@@ -191,8 +202,13 @@ def resolve_model_path(spec: str) -> Path:
     raise FileNotFoundError(f"model directory {spec!r} does not exist")
 
 
-def model_fingerprint(path: Path, tokenizer: Any, dtype: str) -> str:
-    """Identity of everything that shapes a KV cache: weights, tokenizer, template, versions."""
+def model_fingerprint(path: Path, tokenizer: Any, dtype: str, kv_bits: int = 0) -> str:
+    """Identity of everything that shapes a KV cache: weights, tokenizer, template, versions, --kv-bits.
+
+    --kv-bits is a suffix (``-q8``) rather than part of the digest: full
+    precision keeps the fingerprint it always had, and the disk cache can
+    tell another setting's folder of the same model (persist/cache_dir.py).
+    """
     digest = hashlib.sha256()
     for file in sorted(path.iterdir()):
         if file.suffix not in {".json", ".safetensors", ".jinja", ".model", ".txt"} or not file.is_file():
@@ -206,21 +222,26 @@ def model_fingerprint(path: Path, tokenizer: Any, dtype: str) -> str:
                 digest.update(handle.read())
     digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
     digest.update(f"{dtype}|mlx={mx.__version__}|mlx_lm={mlx_lm.__version__}".encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:16] + kv_bits_suffix(kv_bits)
 
 
-def _measure_cache_bytes(model: Any, layout: CacheLayout) -> tuple[int, int]:
-    """(bytes per token of every layer that grows with the sequence, bytes per sequence of state layers).
+def kv_bits_suffix(kv_bits: int) -> str:
+    return f"-q{kv_bits}" if kv_bits else ""
 
-    Measured, not derived from the config: one token through a fresh cache.
-    Layers with keys and values (plain, rotating, ...) count per allocated
-    slot; conv/SSM state layers (ArraysCache) hold a fixed size per sequence.
+
+def _measure_cache_bytes(model: Any, layout: CacheLayout) -> tuple[int, int, str | None, tuple[int, ...]]:
+    """(bytes per token of every layer that grows with the sequence, bytes per sequence of state layers,
+    the dtype of the attention KV, the head dimensions of its keys and values).
+
+    Measured, not derived from the config: one token through a fresh live
+    cache. Layers with keys and values (plain, rotating, ...) count per
+    allocated slot, with the packed form a --kv-bits cache keeps beside them;
+    conv/SSM state layers (ArraysCache) hold a fixed size per sequence.
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
+    cache = live_cache(model, layout)
     model(mx.array([[0]]), cache=cache)
     per_token = per_sequence = 0
+    dtype, head_dims = None, set()
     for index, layer_cache in enumerate(cache):
         if index in layout.state_layers:
             arrays = [a for a in layer_cache.cache if a is not None]
@@ -230,9 +251,11 @@ def _measure_cache_bytes(model: Any, layout: CacheLayout) -> tuple[int, int]:
         keys, values = getattr(layer_cache, "keys", None), getattr(layer_cache, "values", None)
         if keys is None or values is None:
             continue
-        mx.eval(keys, values)
-        per_token += (keys.nbytes + values.nbytes) // max(keys.shape[2], 1)
-    return per_token, per_sequence
+        mx.eval(layer_cache.state, [part.state for part in getattr(layer_cache, "packed", [])])
+        per_token += layer_cache.nbytes // max(keys.shape[2], 1)
+        dtype = _dtype_name(keys.dtype)
+        head_dims.update((keys.shape[-1], values.shape[-1]))
+    return per_token, per_sequence, dtype, tuple(sorted(head_dims))
 
 
 def _context_length(config: dict[str, Any]) -> int:

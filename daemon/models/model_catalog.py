@@ -26,8 +26,10 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from ..kv.layout import CacheLayout, make_cache_layout
+from ..kv.quantized_kv import describe_kv
 from .chat_template_file import ChatTemplateError, ChatTemplateFile, check_all_used, check_renders, template_for
 from .generic_tools import tools_path
+from .kv_bits_setting import KvBitsChoice, check_all_named, kv_bits_for
 from .loaded_model import (
     ModelCard,
     _context_length,
@@ -59,13 +61,22 @@ class CatalogEntry:
     card: ModelCard  # what the fronts read
     chat_template: str | None = None  # --chat-template's text, replacing the model's own (chat_template_file.py)
 
+    @property
+    def kv(self) -> str:
+        """As LoadedModel.kv says it, but for the group size, which the first token through the model shows."""
+        return describe_kv(self.layout.kv_bits, self.dtype)
+
     def describe(self, default: bool) -> dict[str, Any]:
         """The same keys as LoadedModel.describe, for a model that is not loaded now."""
         return model_description(self, default, None)
 
 
 def describe_models(
-    specs: Iterable[str], dtype: str, found_specs: Iterable[str] = (), chat_templates: Iterable[ChatTemplateFile] = ()
+    specs: Iterable[str],
+    dtype: str,
+    found_specs: Iterable[str] = (),
+    chat_templates: Iterable[ChatTemplateFile] = (),
+    kv_bits: Iterable[KvBitsChoice] = (),
 ) -> dict[str, CatalogEntry]:
     """Every configured model by name, in order (a repeated name gets a ``-N`` suffix, as before).
 
@@ -74,18 +85,20 @@ def describe_models(
     not servable is logged and passed over, and one already among ``specs``
     (the same directory) is not listed twice. ``chat_templates``
     (``--chat-template``) replace their models' own; one that names no model
-    or does not render raises ChatTemplateError.
+    or does not render raises ChatTemplateError; a ``kv_bits`` choice
+    (``--kv-bits``) that names no model raises KvBitsError.
     """
     templates = {file.model: file for file in chat_templates}
+    bits = {choice.model: choice for choice in kv_bits}
     entries: dict[str, CatalogEntry] = {}
     for spec in specs:
-        entry = describe_model(spec, dtype, taken=entries, templates=templates)
+        entry = describe_model(spec, dtype, taken=entries, templates=templates, kv_bits=bits)
         entries[entry.name] = entry
     for spec in found_specs:
         if any(entry.path == Path(spec).resolve() for entry in entries.values()):
             continue
         try:
-            entry = describe_model(spec, dtype, taken=entries, templates=templates)
+            entry = describe_model(spec, dtype, taken=entries, templates=templates, kv_bits=bits)
         except ChatTemplateError:
             raise  # the user's template for it, not the model, is what is wrong
         except Exception as exc:  # a folder of models may hold one the engine cannot serve: the others still are
@@ -93,11 +106,16 @@ def describe_models(
             continue
         entries[entry.name] = entry
     check_all_used(templates, entries)
+    check_all_named(bits, entries)
     return entries
 
 
 def describe_model(
-    spec: str, dtype: str, taken: dict[str, Any] | None = None, templates: Mapping[str, ChatTemplateFile] | None = None
+    spec: str,
+    dtype: str,
+    taken: dict[str, Any] | None = None,
+    templates: Mapping[str, ChatTemplateFile] | None = None,
+    kv_bits: Mapping[str, KvBitsChoice] | None = None,
 ) -> CatalogEntry:
     """Raises what load_model would for a missing directory or a model the engine cannot batch."""
     path = resolve_model_path(spec)
@@ -116,7 +134,8 @@ def describe_model(
         check_renders(tokenizer, template, name)
         log.info("chat_template_replaced", model=name, file=str(template.path), tools=tools_path(tokenizer))
     context_length = _context_length(config)
-    fingerprint = model_fingerprint(path, tokenizer, str(params[0].dtype))
+    layout = make_cache_layout(model, kv_bits_for(kv_bits or {}, name, is_default=not taken))
+    fingerprint = model_fingerprint(path, tokenizer, str(params[0].dtype), layout.kv_bits)
     encoder = PromptEncoder(tokenizer, name, context_length)
     return CatalogEntry(
         name=name,
@@ -124,7 +143,7 @@ def describe_model(
         path=path,
         fingerprint=fingerprint,
         context_length=context_length,
-        layout=make_cache_layout(model),
+        layout=layout,
         weight_bytes=sum(value.nbytes for value in params),
         dtype=str(params[0].dtype).replace("mlx.core.", ""),
         tokenizer=tokenizer,

@@ -43,10 +43,11 @@ def load_in_steps(
     tokenizer_threads: Executor,
     step_bytes: int = STEP_BYTES,
     chat_template: str | None = None,
+    kv_bits: int = 0,
 ) -> Generator[None, None, LoadedModel]:
     """Yields between steps; returns the loaded model (raises what a load raises, at the step it happens).
 
-    ``chat_template``: --chat-template's, replacing the model's own.
+    ``chat_template``: --chat-template's, replacing the model's own. ``kv_bits``: --kv-bits's, as load_model's.
     """
     model, config = mlx_lm_load_model(path, lazy=True)
     tokenizer = tokenizer_threads.submit(
@@ -77,4 +78,5 @@ def load_in_steps(
         attention=attention,
         load_weights=lambda _: (model, tokenizer.result()),
         chat_template=chat_template,
+        kv_bits=kv_bits,
     )

@@ -5,7 +5,10 @@ the ones no longer wanted afterwards, so a ``kill -9`` mid-save leaves the
 previous files readable. One daemon at a time holds the directory (a lock
 file). Pure I/O: no MLX here (entries.py converts on the engine thread), so
 this runs on worker threads. A bad file is logged once and skipped. The file
-format is format.py's.
+format is format.py's. A model served at another --kv-bits has another
+fingerprint (``<digest>-q8``, ``-q4``, or the bare digest at full precision),
+so its entries live in another folder: kept for a switch back, never loaded
+into this setting's store, and logged at start (disk_cache_other_kv_bits).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .format import SUFFIX, BadEntry, EntryHeader, read_header
 log = structlog.get_logger("prefixd.disk_cache")
 RESPONSES_FOLDER = "responses"  # the HTTP front's stored Responses-API conversations (front/response_store.py)
 NOT_MODEL_FOLDERS = frozenset({RESPONSES_FOLDER})  # beside the models' folders, never dropped for their room
+KV_BITS_SUFFIXES = ("", "-q8", "-q4")  # a fingerprint's --kv-bits suffix (models/loaded_model.kv_bits_suffix)
 
 
 def default_cache_dir() -> Path:
@@ -75,6 +79,7 @@ class DiskCache:
         """Headers of the usable entries of these models; bad files are logged once and skipped."""
         headers, num_skipped = [], 0
         for fingerprint in sorted(fingerprints):
+            self._note_other_kv_bits(fingerprint, fingerprints)
             folder = self.root / fingerprint
             if not folder.is_dir():
                 continue
@@ -95,6 +100,20 @@ class DiskCache:
                 self.on_disk[path.stem] = path
         headers.sort(key=lambda h: (h.fingerprint, h.start, h.depth))
         return ScanResult(headers, num_skipped)
+
+    def _note_other_kv_bits(self, fingerprint: str, fingerprints: set[str]) -> None:
+        """Log the folders of this model's entries at another --kv-bits: they are not this run's cache."""
+        digest, _, suffix = fingerprint.partition("-")
+        for other_suffix in KV_BITS_SUFFIXES:
+            other = digest + other_suffix
+            if other_suffix != (suffix and "-" + suffix) and other not in fingerprints and (self.root / other).is_dir():
+                log.info(
+                    "disk_cache_other_kv_bits",
+                    dir=str(self.root / other),
+                    written_at=other_suffix.lstrip("-") or "full precision",
+                    this_run=suffix or "full precision",
+                    action="kept, not loaded: its entries are another --kv-bits setting's",
+                )
 
     def _check_identity(self, header: EntryHeader, fingerprint: str) -> None:
         if header.fingerprint != fingerprint:

@@ -31,8 +31,8 @@ class DiskKVSegment(KVSegment):
 
     def split(self, n: int) -> tuple[DiskKVSegment, DiskKVSegment]:
         head, tail = super().split(n)
-        return DiskKVSegment(head.keys, head.values, head.num_tokens), DiskKVSegment(
-            tail.keys, tail.values, tail.num_tokens
+        return DiskKVSegment(head.keys, head.values, head.num_tokens, head.bits), DiskKVSegment(
+            tail.keys, tail.values, tail.num_tokens, tail.bits
         )
 
 
@@ -53,14 +53,16 @@ def list_edges(store: PrefixStore, fingerprints: Collection[str]) -> dict[str, l
 def serialize_arrays(edges: list[StoredEdge]) -> list[bytes]:
     """Each edge's arrays as one safetensors blob: k{i}, v{i} per attention layer, s{layer}.{j} per state.
 
-    The header that goes with it (which states are present) is
-    export_plan.snapshot_flags', computed from the same snapshot.
+    A --kv-bits segment's layers are packed: k{i} holds the codes, k{i}.scales
+    and k{i}.biases the rest (v{i} likewise). The header that goes with it
+    (which states are present, the bits) is export_plan's, from the same edge.
     """
     blobs = []
     for edge in edges:
         arrays = {}
         for index, (keys, values) in enumerate(zip(edge.segment.keys, edge.segment.values)):
-            arrays[f"k{index}"], arrays[f"v{index}"] = keys, values
+            arrays.update(_layer_arrays(f"k{index}", keys))
+            arrays.update(_layer_arrays(f"v{index}", values))
         if edge.snapshot is not None:
             for layer, states in enumerate(edge.snapshot.states):
                 arrays.update({f"s{layer}.{j}": state for j, state in enumerate(states) if state is not None})
@@ -68,6 +70,15 @@ def serialize_arrays(edges: list[StoredEdge]) -> list[bytes]:
         mx.save_safetensors(buffer, arrays)
         blobs.append(buffer.getvalue())
     return blobs
+
+
+_PACKED_NAMES = ("", ".scales", ".biases")  # a packed layer's arrays, in mx.quantize's order
+
+
+def _layer_arrays(name: str, layer: Any) -> dict[str, mx.array]:
+    if isinstance(layer, tuple):
+        return {name + suffix: array for suffix, array in zip(_PACKED_NAMES, layer)}
+    return {name: layer}
 
 
 # -- import ------------------------------------------------------------------------------------------
@@ -153,11 +164,18 @@ def _decode(header: EntryHeader, payload: bytes, layout: CacheLayout) -> tuple[D
         mx.eval(arrays)
     except Exception as exc:  # mlx raises RuntimeError/ValueError on a bad safetensors blob
         raise ValueError(f"unreadable payload ({exc})") from None
+    if header.kv_bits != layout.kv_bits:  # the fingerprint differs too (-q8): only a file moved by hand gets here
+        raise ValueError(
+            f"written at --kv-bits {header.kv_bits or 'off'}, this model runs at --kv-bits {layout.kv_bits or 'off'}"
+        )
     num_layers = len(layout.attention_layers)
-    keys = [arrays.get(f"k{i}") for i in range(num_layers)]
-    values = [arrays.get(f"v{i}") for i in range(num_layers)]
-    if any(a is None or a.ndim != 4 or a.shape[2] != len(header.key) for a in keys + values):
+    suffixes = _PACKED_NAMES if layout.kv_bits else ("",)
+    keys = [tuple(arrays.get(f"k{i}{suffix}") for suffix in suffixes) for i in range(num_layers)]
+    values = [tuple(arrays.get(f"v{i}{suffix}") for suffix in suffixes) for i in range(num_layers)]
+    if any(a is None or a.ndim != 4 or a.shape[2] != len(header.key) for layer in keys + values for a in layer):
         raise ValueError(f"attention arrays do not fit this model ({num_layers} layers, {len(header.key)} tokens)")
+    if not layout.kv_bits:
+        keys, values = [layer[0] for layer in keys], [layer[0] for layer in values]
     snapshot = None
     if header.snapshot is not None:
         if len(header.snapshot) != len(layout.state_layers):
@@ -173,7 +191,7 @@ def _decode(header: EntryHeader, payload: bytes, layout: CacheLayout) -> tuple[D
         ):
             raise ValueError("state snapshot arrays are missing")
         snapshot = StateSnapshot(states)
-    segment = DiskKVSegment(keys, values, len(header.key))
+    segment = DiskKVSegment(keys, values, len(header.key), layout.kv_bits)
     if segment.nbytes + (snapshot.nbytes if snapshot else 0) != header.nbytes:
         raise ValueError("array sizes disagree with the header")
     return segment, snapshot

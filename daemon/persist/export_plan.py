@@ -100,6 +100,7 @@ def encode_entries(edges: list[PlannedEdge], payloads: list[bytes], mlx_version:
             kind=node.kind,
             snapshot=snapshot_flags(node),
             nbytes=node.nbytes,
+            kv_bits=node.segment.bits,
         )
         encoded.append((edge.ident, edge.fingerprint, encode_entry(header, payload)))
     return encoded

@@ -5,7 +5,9 @@ Each file is
     b"PFXDKV\\r\\n"  u32-le header length  header (JSON)  payload (safetensors)
 
 The header names the model fingerprint, the mlx version, the format version,
-the edge (its tokens, where it starts, a digest of the tokens before it) and
+the edge (its tokens, where it starts, a digest of the tokens before it), the
+``kv_bits`` its attention arrays are packed at (--kv-bits; left out at full
+precision, so such files are what they always were) and
 ``sha256``: the digest of the payload followed by the header without that
 field, so a flipped bit anywhere (tokens included) is caught and never
 becomes a wrong cache. An entry id is derived from what the file holds, so a
@@ -54,13 +56,15 @@ class EntryHeader:
     format: int = FORMAT_VERSION
     sha256: str = ""
     path: Path | None = field(default=None, compare=False)
+    kv_bits: int = 0  # 8 or 4: the attention arrays are packed (codes, scales, biases); 0: full precision
 
     @property
     def depth(self) -> int:
         return self.start + len(self.key)
 
     def fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _HEADER_FIELDS}
+        fields = {name: getattr(self, name) for name in _HEADER_FIELDS}
+        return {**fields, "kv_bits": self.kv_bits} if self.kv_bits else fields
 
 
 _HEADER_FIELDS = ("format", "fingerprint", "mlx", "start", "start_sha", "key", "kind", "snapshot", "nbytes")
@@ -91,7 +95,9 @@ class BadEntry(ValueError):
 def _parse_header(raw: bytes) -> EntryHeader:
     try:
         data = json.loads(raw)
-        header = EntryHeader(**{name: data[name] for name in (*_HEADER_FIELDS, "sha256")})
+        header = EntryHeader(
+            **{name: data[name] for name in (*_HEADER_FIELDS, "sha256")}, kv_bits=data.get("kv_bits", 0)
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise BadEntry(f"unreadable header ({exc})") from None
     if header.format != FORMAT_VERSION:
@@ -114,6 +120,7 @@ def _check_field_types(header: EntryHeader) -> None:
     usable = (
         whole(header.start)
         and whole(header.nbytes)
+        and whole(header.kv_bits)
         and isinstance(header.start_sha, str)
         and isinstance(header.fingerprint, str)
         and isinstance(header.mlx, str)

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..front import http_options
 from ..models.blas import preload_blas
 from ..models.chat_template_file import ChatTemplateError, read_chat_templates
+from ..models.kv_bits_setting import KvBitsError, read_kv_bits
 from ..models.model_dirs import find_model_dirs
 from ..models.mlx_runtime_env import apply_daemon_defaults
 from .config import ConfigError, explicit_flags, load_config
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     except ChatTemplateError as exc:
         print(f"prefixd: {exc} (chat_template, from {config.sources['chat_template']})", file=sys.stderr)
         return 2
+    try:
+        kv_bits = read_kv_bits(args.kv_bits)
+    except KvBitsError as exc:
+        print(f"prefixd: {exc} (kv_bits, from {config.sources['kv_bits']})", file=sys.stderr)
+        return 2
     from ..distributed.settings import DistributedStartError, launcher_rank, started_by_launcher
 
     if args.ranks > 1 and not started_by_launcher():
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         model_specs=tuple(args.model),
         found_model_specs=tuple(found_models),
         chat_templates=chat_templates,
+        kv_bits=kv_bits,
         dtype=resolve_dtype(args.dtype),
         prefill_chunk=args.prefill_chunk,
         cache_bytes=cache_bytes,
@@ -193,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     except SocketInUse as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
         exit_now(1)
-    # A missing model, a busy --http port, a slow load, a --chat-template that does not render.
-    except (OSError, TimeoutError, DistributedStartError, ChatTemplateError) as exc:
+    # A missing model, a busy --http port, a slow load, a --chat-template that does not render, a --kv-bits
+    # NAME that names no model.
+    except (OSError, TimeoutError, DistributedStartError, ChatTemplateError, KvBitsError) as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
         exit_now(1)  # the engine thread may have started: the same teardown abort as after a clean stop
     exit_now(code)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 from ...protocol.methods import MAX_TOKENS_LIMIT
 from ..engine.settings import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK
 from ..front.http_options import DEFAULT_MAX_OUTPUT_TOKENS, TOKEN_ENV, TOKEN_FILE_NAME
+from ..models.kv_bits_setting import parse_kv_bits_entry
 from .setting_values import (
     ValueKind,
     default_cache_bytes,
@@ -172,6 +173,19 @@ SETTINGS: dict[str, Setting] = {
             "the KV memory budget: the prefix store and the running sequences' KV together stay within it",
             computed_default=lambda _: default_cache_bytes(),
             note="a quarter of RAM, at most 8G",
+        ),
+        Setting(
+            "kv_bits",
+            list_of(ValueKind(parse_kv_bits_entry, "8 or 4", "BITS")),
+            MEMORY,
+            "quantize a model's attention KV to 8 or 4 bits, in the prefix store and in every pass, so the same "
+            "cache_bytes stores about 3.5x (8) or 6.4x (4) the prefixes of float32 KV, 1.9x / 3.6x of bfloat16; "
+            "answers change a little, and a cached answer still equals an uncached one at the same setting "
+            "(docs/prefix-cache.md). BITS for the default model, NAME=BITS for the model of that name; repeat "
+            "for several",
+            default=[],
+            note="off: full precision",
+            per_model=True,
         ),
         Setting("cache_entries", whole(1), MEMORY, "the prefix store's node limit", default=65536),
         Setting(

@@ -118,19 +118,24 @@ def test_stored_entry_is_unchanged_after_seeding_and_generating(loaded):
     store = make_store()
     run(loaded, store, tokens=tokens, warm=True)
     match = store.match(loaded.fingerprint, tokens, requires_snapshot=loaded.layout.is_hybrid)
-    before = [np.array(k) for s in match.segments for k in s.keys + s.values]
+    before = stored_arrays(match.segments)
     snapshot_before = [np.array(a) for layer in (match.snapshot.states if match.snapshot else []) for a in layer if a is not None]
     store.release(match.lease)
     # Two sessions seeded from the same entry diverge; neither touches the entry.
     run(loaded, store, tokens=tokens + tokens[:30], max_tokens=6)
     run(loaded, store, tokens=tokens + tokens[100:130], max_tokens=6)
     match = store.match(loaded.fingerprint, tokens, requires_snapshot=loaded.layout.is_hybrid)
-    after = [np.array(k) for s in match.segments for k in s.keys + s.values]
+    after = stored_arrays(match.segments)
     snapshot_after = [np.array(a) for layer in (match.snapshot.states if match.snapshot else []) for a in layer if a is not None]
     store.release(match.lease)
     assert len(before) == len(after)
     for a, b in zip(before + snapshot_before, after + snapshot_after):
         assert np.array_equal(a, b)
+
+
+def stored_arrays(segments) -> list[np.ndarray]:
+    """Every array the segments hold (a --kv-bits segment's layers are packed: codes, scales, biases)."""
+    return [np.array(a) for s in segments for layer in s.keys + s.values for a in (layer if isinstance(layer, tuple) else (layer,))]
 
 
 def chat_turns(system: str, questions: list[str]):

@@ -57,6 +57,7 @@ class FakeModel:
     name = "fake"
     context_length = 8192
     kv_bytes_per_token = 1
+    kv = "float32"
     state_bytes_per_sequence = 0
     eos_token_ids = frozenset({EOS})
     layout = SimpleNamespace(is_hybrid=False)

@@ -15,7 +15,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 
 # What a user who sets nothing gets; a change here changes every daemon started without that setting.
 PLAIN_DEFAULTS = {
-    "model": [], "models_dir": None, "chat_template": [], "dtype": "auto", "cache_entries": 65536,
+    "model": [], "models_dir": None, "chat_template": [], "kv_bits": [], "dtype": "auto", "cache_entries": 65536,
     "mlx_cache_bytes": None, "disk_cache_bytes": 0, "disk_save_interval": 60.0, "prefill_chunk": None,
     "max_active": 32, "keep_alive": -1.0, "max_model_memory": 0, "shadow_rate": 0.05, "shadow_action": "log",
     "attention": "auto", "warm_up": "auto", "max_queued": 256, "max_queued_per_client": 64, "grace_seconds": 10.0,
