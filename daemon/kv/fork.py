@@ -103,14 +103,11 @@ def live_cache(model: Any, layout: CacheLayout) -> list[Any]:
 
 
 def _layer_pieces(segments: list[KVSegment], position: int, quant: KvQuantization | None) -> list[list[mx.array]]:
-    """[keys, values] of one global layer, one piece per segment; under --kv-bits the dequantized ones, then
-    each packed part's keys and values (the order of RoundTripKVCache and its ``packed``)."""
+    """[keys, values] of one global layer, one piece per segment; under --kv-bits each packed part's keys and
+    values (the order of RoundTripKVCache's ``packed``), which the fork dequantizes once joined."""
     if quant is None:
         return [[s.keys[position] for s in segments], [s.values[position] for s in segments]]
-    pieces = [
-        [quant.dequantize(s.keys[position]) for s in segments],
-        [quant.dequantize(s.values[position]) for s in segments],
-    ]
+    pieces = []
     for part in range(NUM_PACKED_PARTS):
         pieces += [[s.keys[position][part] for s in segments], [s.values[position][part] for s in segments]]
     return pieces
@@ -157,13 +154,18 @@ def fork_cache(
             cache[layer_index] = _fork_window(layout.window_size, segments, position, length, quant)
     per_layer = len(pieces[0]) if pieces else 0
     for index, (_, layer_index) in enumerate(full):
-        layer_parts = parts[index * per_layer : (index + 1) * per_layer]
+        arrays = [_with_headroom(part) for part in parts[index * per_layer : (index + 1) * per_layer]]
         layer_cache = cache[layer_index]
-        targets = [layer_cache, *layer_cache.packed] if quant else [layer_cache]
-        for target, keys, values in zip(targets, layer_parts[0::2], layer_parts[1::2]):
-            target.keys = _with_headroom(keys)
-            target.values = _with_headroom(values)
-            target.offset = length
+        if quant is None:
+            layer_cache.keys, layer_cache.values = arrays
+        else:
+            for part, keys, values in zip(layer_cache.packed, arrays[0::2], arrays[1::2]):
+                part.keys, part.values, part.offset = keys, values, length
+            # Dequantized with the headroom (zeros: code 0, scale 0, bias 0 give 0): one pass writes the
+            # live buffer, instead of a dequantized copy per segment and a concatenation of them.
+            layer_cache.keys = quant.dequantize(tuple(arrays[0::2]))
+            layer_cache.values = quant.dequantize(tuple(arrays[1::2]))
+        layer_cache.offset = length
     if snapshot is not None:
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
