@@ -219,8 +219,7 @@ async def _answer(
     front: HttpFront = request.app[FRONT_KEY]
     sock = request.transport.get_extra_info("socket") if request.transport else None
     peer = peer_credentials(sock)
-    request[CLIENT_KEY] = _client_id(request, peer)
-    request[LANE_KEY] = _fair_lane(request, peer)
+    request[CLIENT_KEY], request[LANE_KEY] = _client_and_lane(request, peer)
     structlog.contextvars.bind_contextvars(client=request[CLIENT_KEY], pid=peer.pid, uid=peer.uid, path=request.path)
     if request.method == "HEAD" and request.path == "/":
         # "Is anyone there?": Claude Code probes so at every start, with no key. The answer tells nothing an open
@@ -297,25 +296,22 @@ def _over_tcp(sock: Any) -> bool:
     return sock is None or sock.family != socket.AF_UNIX
 
 
-def _client_id(request: web.Request, peer: PeerCredentials) -> str:
-    # The engine queues fairly per client id: one per TCP connection, one per
-    # process on the Unix socket, like msgpack connections.
+def _client_and_lane(request: web.Request, peer: PeerCredentials) -> tuple[str, str]:
+    """The request's client id (its queue limits) and its fair lane (whose turn it shares: inbox.py).
+
+    The client id is one per TCP connection, one per process on the Unix
+    socket, like msgpack connections. The lane is wider: an HTTP client opens
+    a connection per request, or a pool of them, so a connection is not a
+    client: over TCP, a client is its host and program (User-Agent); on the
+    Unix socket, its process. A burst of a thousand connections is then one
+    lane, and a socket client or another program still gets every other turn.
+    """
     peername = request.transport.get_extra_info("peername") if request.transport else None
     if isinstance(peername, tuple):
-        return f"http:{peername[0]}:{peername[1]}"
-    return f"http:pid{peer.pid}" if peer.pid else "http"
-
-
-def _fair_lane(request: web.Request, peer: PeerCredentials) -> str:
-    # Who the engine admits fairly against the others (inbox.py). An HTTP client
-    # opens a connection per request, or a pool of them, so a connection is not
-    # a client: over TCP, a client is its host and program (User-Agent); on the
-    # Unix socket, its process. A burst of a thousand connections is then one
-    # lane, and a socket client or another program still gets every other turn.
-    peername = request.transport.get_extra_info("peername") if request.transport else None
-    if isinstance(peername, tuple):
-        return f"http:{peername[0]} {request.headers.get('User-Agent', '')[:100]}".rstrip()
-    return f"http:pid{peer.pid}" if peer.pid else "http"
+        host, port = peername[0], peername[1]
+        return f"http:{host}:{port}", f"http:{host} {request.headers.get('User-Agent', '')[:100]}".rstrip()
+    process = f"http:pid{peer.pid}" if peer.pid else "http"
+    return process, process
 
 
 def _token_matches(request: web.Request, token: str) -> bool:
