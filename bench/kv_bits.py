@@ -28,6 +28,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from prefixd.client.verify_command import DOCUMENT_SENTENCES, builtin_checks  # noqa: E402
 from prefixd.daemon.cache import PrefixStore  # noqa: E402
@@ -131,8 +132,18 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def prompt_end_logprobs(loaded: LoadedModel, prompt: PromptInput) -> np.ndarray:
+    """Log-probabilities after the prompt, prefilled in the daemon's chunks."""
+    tokens = loaded.encode(prompt).tokens
+    cache = fork_cache(loaded.model, loaded.layout, [], None, 0)
+    for start in range(0, len(tokens), CHUNK):
+        logits = loaded.model(mx.array(tokens[start : start + CHUNK])[None], cache=cache)[0, -1]
+    return np.array(logits - mx.logsumexp(logits))
+
+
 def quality(model_dir: str, max_tokens: int = 32) -> None:
     answers: dict[int, list[list[int]]] = {}
+    drift_prompt: dict[int, np.ndarray] = {}
     prompts: list[PromptInput] = []
     for bits in SETTINGS:
         loaded = load(model_dir, bits)
@@ -141,14 +152,18 @@ def quality(model_dir: str, max_tokens: int = 32) -> None:
             first, _ = generate(loaded, None, chat, max_tokens, use=False)
             prompts = verify_prompts(first["text"])
         answers[bits] = [generate(loaded, None, p, max_tokens, use=False)[1] for p in prompts]
+        drift_prompt[bits] = prompt_end_logprobs(loaded, prompts[1])  # the document, about 1,000 tokens
     print(f"quality: {len(prompts)} verify prompts ({DOCUMENT_SENTENCES}-sentence documents), greedy, {max_tokens} tokens")
+    top = np.argsort(-drift_prompt[0])[:8]
     for bits in SETTINGS[1:]:
         firsts = [first_difference(a, b) for a, b in zip(answers[0], answers[bits])]
         differing = [f for f in firsts if f is not None]
         mean = statistics.mean(differing) if differing else None
+        drift = float(np.abs(drift_prompt[bits][top] - drift_prompt[0][top]).max())
         print(
             f"  {name(bits)}: {len(differing)}/{len(firsts)} answers differ from full precision"
             + (f"; first difference at token {sorted(differing)} (mean {mean:.1f})" if differing else "")
+            + f"; after the document, the top 8 log-probabilities move by up to {drift:.3f} nats"
         )
 
 

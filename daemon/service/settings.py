@@ -180,9 +180,8 @@ SETTINGS: dict[str, Setting] = {
             MEMORY,
             "quantize a model's attention KV to 8 or 4 bits, in the prefix store and in every pass, so the same "
             "cache_bytes stores about 3.5x (8) or 6.4x (4) the prefixes of float32 KV, 1.9x / 3.6x of bfloat16; "
-            "answers change a little, and a cached answer still equals an uncached one at the same setting "
-            "(docs/prefix-cache.md). BITS for the default model, NAME=BITS for the model of that name; repeat "
-            "for several",
+            "answers change a little (docs/prefix-cache.md: how much, and where cached and uncached runs can "
+            "differ). BITS for the default model, NAME=BITS for the model of that name; repeat for several",
             default=[],
             note="off: full precision",
             per_model=True,
