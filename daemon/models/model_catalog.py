@@ -26,10 +26,10 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from ..kv.layout import CacheLayout, make_cache_layout
-from ..kv.quantized_kv import describe_kv
+from ..kv.quantized_kv import GROUP_SIZES, UnquantizableKV, describe_kv, group_size_for
 from .chat_template_file import ChatTemplateError, ChatTemplateFile, check_all_used, check_renders, template_for
 from .generic_tools import tools_path
-from .kv_bits_setting import KvBitsChoice, check_all_named, kv_bits_for
+from .kv_bits_setting import KvBitsChoice, KvBitsError, check_all_named, kv_bits_for
 from .loaded_model import (
     ModelCard,
     _context_length,
@@ -86,7 +86,8 @@ def describe_models(
     (the same directory) is not listed twice. ``chat_templates``
     (``--chat-template``) replace their models' own; one that names no model
     or does not render raises ChatTemplateError; a ``kv_bits`` choice
-    (``--kv-bits``) that names no model raises KvBitsError.
+    (``--kv-bits``) that names no model, or one its model cannot take,
+    raises KvBitsError, for found models too.
     """
     templates = {file.model: file for file in chat_templates}
     bits = {choice.model: choice for choice in kv_bits}
@@ -99,8 +100,8 @@ def describe_models(
             continue
         try:
             entry = describe_model(spec, dtype, taken=entries, templates=templates, kv_bits=bits)
-        except ChatTemplateError:
-            raise  # the user's template for it, not the model, is what is wrong
+        except (ChatTemplateError, KvBitsError):
+            raise  # the user's template or --kv-bits for it, not the model, is what is wrong
         except Exception as exc:  # a folder of models may hold one the engine cannot serve: the others still are
             log.warning("model_skipped", path=spec, error=f"{type(exc).__name__}: {exc}")
             continue
@@ -135,6 +136,7 @@ def describe_model(
         log.info("chat_template_replaced", model=name, file=str(template.path), tools=tools_path(tokenizer))
     context_length = _context_length(config)
     layout = make_cache_layout(model, kv_bits_for(kv_bits or {}, name, is_default=not taken))
+    refuse_unquantizable(name, config, layout.kv_bits)
     fingerprint = model_fingerprint(path, tokenizer, str(params[0].dtype), layout.kv_bits)
     encoder = PromptEncoder(tokenizer, name, context_length)
     return CatalogEntry(
@@ -151,3 +153,40 @@ def describe_model(
         card=ModelCard(name, fingerprint, context_length, encoder),
         chat_template=chat_template,
     )
+
+
+def refuse_unquantizable(name: str, config: Mapping[str, Any], kv_bits: int) -> None:
+    """KvBitsError at start for a --kv-bits model whose head dimension no quantization group divides.
+
+    Otherwise the model would fail when it loads, on demand, at the first
+    token through a round-trip cache (kv/quantized_kv.group_size_for).
+    """
+    head_dim = config_head_dim(config) if kv_bits else None
+    if head_dim is None:
+        return
+    try:
+        group_size_for(head_dim)
+    except UnquantizableKV:
+        raise KvBitsError(
+            f"--kv-bits {kv_bits} for model {name}: its attention head dimension is {head_dim} (config.json), "
+            f"which no quantization group ({' or '.join(map(str, GROUP_SIZES))}) divides; serve it without --kv-bits"
+        ) from None
+
+
+def config_head_dim(config: Mapping[str, Any]) -> int | None:
+    """The head dimension of the keys and values mlx-lm caches, as the config gives it; None where it cannot tell.
+
+    mlx-lm's attention takes ``head_dim``, else hidden_size / num_attention_heads
+    (a multimodal config nests them in ``text_config``). A latent-attention
+    config (``kv_lora_rank``: DeepSeek's MLA) caches other arrays, whose
+    widths depend on the model code: None, and the load measures them.
+    """
+    for part in (config, config.get("text_config") or {}):
+        if "kv_lora_rank" in part:
+            return None
+        if part.get("head_dim"):
+            return int(part["head_dim"])
+        hidden, heads = part.get("hidden_size"), part.get("num_attention_heads")
+        if hidden and heads and hidden % heads == 0:
+            return hidden // heads
+    return None
