@@ -135,7 +135,12 @@ def describe_model(
         check_renders(tokenizer, template, name)
         log.info("chat_template_replaced", model=name, file=str(template.path), tools=tools_path(tokenizer))
     context_length = _context_length(config)
-    layout = make_cache_layout(model, kv_bits_for(kv_bits or {}, name, is_default=not taken))
+    requested_bits = kv_bits_for(kv_bits or {}, name, is_default=not taken)
+    layout = make_cache_layout(model, requested_bits)
+    if requested_bits and not layout.kv_bits:
+        log.warning(
+            "kv_bits_ignored", model=name, kv_bits=requested_bits, reason="no attention layers: no KV to quantize"
+        )
     refuse_unquantizable(name, config, layout.kv_bits)
     fingerprint = model_fingerprint(path, tokenizer, str(params[0].dtype), layout.kv_bits)
     encoder = PromptEncoder(tokenizer, name, context_length)

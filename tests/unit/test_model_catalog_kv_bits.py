@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from structlog.testing import capture_logs
 
 from prefixd.daemon.models.kv_bits_setting import KvBitsError, read_kv_bits
 from prefixd.daemon.models.model_catalog import describe_models
@@ -37,3 +38,14 @@ def test_a_model_found_in_the_models_dir_reports_its_kv_bits_conflict_rather_tha
     with pytest.raises(KvBitsError, match=r"two --kv-bits for model llama: 8 \(the default model's\) and 4"):
         describe_models([], "float32", [str(tiny_llama_dir)], kv_bits=read_kv_bits(["8", "llama=4"]))
 
+
+def test_bits_asked_for_a_model_without_attention_are_dropped_with_one_warning(tiny_mamba_dir, tiny_llama_dir):
+    with capture_logs() as logs:
+        entries = describe_models([str(tiny_mamba_dir), str(tiny_llama_dir)], "float32", kv_bits=read_kv_bits(["8", "llama=4"]))
+    assert entries["mamba"].layout.kv_bits == 0 and entries["mamba"].kv == "float32"
+    assert entries["llama"].layout.kv_bits == 4
+    ignored = [event for event in logs if event["event"] == "kv_bits_ignored"]
+    assert ignored == [
+        {"event": "kv_bits_ignored", "log_level": "warning", "model": "mamba", "kv_bits": 8,
+         "reason": "no attention layers: no KV to quantize"}
+    ]
