@@ -6,13 +6,17 @@ each part its own run (a few minutes at most on 2 cores):
     .venv/bin/python bench/kv_bits.py capacity   # distinct 1,024-token prefixes one store budget holds
     .venv/bin/python bench/kv_bits.py quality    # greedy answers to the verify prompts, vs full precision
     .venv/bin/python bench/kv_bits.py speed      # cold prefill and warm exact hit of a 2,048-token prompt
+    .venv/bin/python bench/kv_bits.py shadow     # the shadow check's drift: warm hits vs uncached runs
 
 Capacity inserts copies of one real prefix's stored KV (its segment, captured after a real prefill at
 that setting) under distinct token sequences until the store evicts: the store counts the bytes it
 holds, so the count is what a daemon with that --cache-bytes keeps. Quality runs the prompts of
 `prefixd verify` (client/verify_command.py: an exact repeat, a document with questions at 25/50/75%, a
 two-turn chat, an edit near the end), each uncached, greedy, 32 tokens. Speed takes medians of
-interleaved rounds, so load from other processes falls on every setting alike.
+interleaved rounds, so load from other processes falls on every setting alike. Shadow sends the requests
+of `prefixd verify` in order, through the engine's scheduler and shadow checker (CPU pass limits, one
+store per setting), and prints each verify reply's top-8 log-probability difference between the warm hit
+and its uncached re-run, against the shadow check's tolerance at that setting.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ import numpy as np  # noqa: E402
 from prefixd.client.verify_command import DOCUMENT_SENTENCES, builtin_checks  # noqa: E402
 from prefixd.daemon.cache import PrefixStore  # noqa: E402
 from prefixd.daemon.engine.inline_runner import run_one_inline  # noqa: E402
-from prefixd.daemon.engine.jobs import GenerateJob  # noqa: E402
+from prefixd.daemon.engine.jobs import DONE, FAILED, GenerateJob  # noqa: E402
+from prefixd.daemon.engine.model_runner import ModelRunner  # noqa: E402
+from prefixd.daemon.engine.scheduler import Scheduler  # noqa: E402
+from prefixd.daemon.engine.settings import CPU_PASS_DEPTH_SCALE  # noqa: E402
+from prefixd.daemon.engine.shadow_run import logit_tolerance  # noqa: E402
 from prefixd.daemon.kv.fork import capture_segment, fork_cache  # noqa: E402
 from prefixd.daemon.kv.segments import KVSegment  # noqa: E402
 from prefixd.daemon.models.loaded_model import LoadedModel, load_model  # noqa: E402
@@ -167,6 +175,61 @@ def quality(model_dir: str, max_tokens: int = 32) -> None:
         )
 
 
+# -- shadow ---------------------------------------------------------------------------------------
+
+
+class _InProcessClient:
+    """Answers builtin_checks' requests as a daemon on this CPU would: its scheduler, runner and shadow checker."""
+
+    def __init__(self, loaded: LoadedModel, store: PrefixStore):
+        self.scheduler = Scheduler(
+            store,
+            CHUNK,
+            max_active=1,
+            kv_budget=store.kv_budget,
+            resolve_model=lambda _: loaded,
+            runner=ModelRunner(store, CHUNK),
+            pass_depth_scale=CPU_PASS_DEPTH_SCALE,
+        )
+
+    def generate(self, *, max_tokens: int, cache: dict | None = None, prompt=None, messages=None, **_) -> dict:
+        params = GenerateParams(
+            prompt=PromptInput(text=prompt, messages=tuple(messages) if messages else None),
+            max_tokens=max_tokens,
+            cache=CacheOptions(verify=bool(cache and cache.get("verify"))),
+        )
+        finals: list = []
+        job = GenerateJob("bench", 1, params, emit=lambda kind, payload: kind in (DONE, FAILED) and finals.append(payload))
+        assert self.scheduler.admit(job)
+        while not finals:  # the engine's loop: a verify reply waits for its shadow run
+            if self.scheduler.has_work:
+                self.scheduler.step()
+            if self.scheduler.shadow.has_work:
+                self.scheduler.shadow.step()
+        if isinstance(finals[0], Exception):
+            raise finals[0]
+        return finals[0]
+
+
+def shadow(model_dir: str, bits_settings: tuple[int, ...], max_tokens: int = 16) -> None:
+    print(f"shadow: the verify requests, greedy, {max_tokens} tokens; top-8 log-probability drift, warm hit vs uncached")
+    for bits in bits_settings:
+        loaded = load(model_dir, bits)
+        store = PrefixStore(max_bytes=2 << 30, max_nodes=100_000, max_pinned_bytes=0)
+        options = {"max_tokens": max_tokens, "temperature": 0.0}
+        checks = list(builtin_checks(_InProcessClient(loaded, store), options, "bench"))
+        worst = max(check.verify.get("max_logprob_difference") or 0.0 for check in checks)
+        tolerance = logit_tolerance(loaded.dtype, bits)
+        print(f"  {loaded.kv:>14}: max drift {worst:.3g} nats (tolerance {tolerance}); per check:")
+        for check in checks:
+            differs = check.verify.get("first_difference")
+            print(
+                f"    {check.scenario:<18} {check.status:<9} reused {check.reused_tokens:>4}, "
+                f"drift {check.verify.get('max_logprob_difference')}"
+                + (f", answers differ from token {differs}" if differs is not None else "")
+            )
+
+
 # -- speed ----------------------------------------------------------------------------------------
 
 
@@ -206,16 +269,19 @@ def speed(model_dir: str, num_tokens: int = 2048, rounds: int = 2, hits: int = 5
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("capacity", "quality", "speed"))
+    parser.add_argument("part", choices=("capacity", "quality", "speed", "shadow"))
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--budget", default="256M", help="capacity: the store's budget (default 256M)")
     parser.add_argument("--cold-rounds", type=int, default=2, help="speed: cold prefills per setting (default 2)")
+    parser.add_argument("--bits", default="8,4", help="shadow: the settings, 0 for full precision (default 8,4)")
     args = parser.parse_args()
     print(f"mlx {mx.__version__}, BLAS: {BLAS or 'MLX bundled'}, model {Path(args.model).name}")
     if args.part == "capacity":
         capacity(args.model, int(args.budget.rstrip("M")) << 20)
     elif args.part == "quality":
         quality(args.model)
+    elif args.part == "shadow":
+        shadow(args.model, tuple(int(b) for b in args.bits.split(",")))
     else:
         speed(args.model, rounds=args.cold_rounds)
 
