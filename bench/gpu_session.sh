@@ -13,7 +13,8 @@
 # full-nographs: every system with MLX_USE_CUDA_GRAPHS=0; agent, agent-quick, lfm2-agent (bench/agent_workload.py:
 # 4 agents x 8 turns on an ~8,000-token tool-laden system prompt, prefixd vs mlx-lm server; quick: 2 x 4 on 1,500);
 # fairness, lfm2-fairness (bench/fairness.py --quick; fairness and fairness-full, the full form, write the engine's
-# step trace beside their figures: PREFIXD_TRACE_STEPS); quick-alt (compare.py --quick on the prefixd in $ALT_TREE).
+# step trace beside their figures: PREFIXD_TRACE_STEPS); shared-probe (bench/probes/shared_prefix_probe.py: attention over stored
+# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -51,6 +52,8 @@ for s in "$@"; do
     probe-tails-nographs) MLX_USE_CUDA_GRAPHS=0 step probe-tails-nographs python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --parts 7 ;;
     fuse) step fuse python3 bench/probes/cuda_cache_fuse.py /tmp/q06 ;;
     quick) step quick python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick" ;;
+    quick-share) PREFIXD_FORK=share step quick-share python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-share" ;;
+    shared-probe) step shared-probe python3 bench/probes/shared_prefix_probe.py /tmp/q06 --depths 1024,4096,16384,32768 --json "$out/shared-probe.json" ;;
     full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;
     concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick ;;

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from ..kv.shared_prefix_cache import batch_rows
 from .constrained_sampling import batch_processor, mask_logits
 from .faults import fault_point
 from .sequence_state import SequenceState
@@ -150,7 +151,7 @@ class BatchDecoder:
         (uid,) = self._generator.insert(
             [inputs],
             max_tokens=[max_tokens],
-            caches=[seq.cache],
+            caches=[batch_rows(seq.cache, seq.loaded.layout.shares_forks)],
             samplers=[sampler_for(seq)],
             logits_processors=[processors],
             stop_sequences=[self._stop],

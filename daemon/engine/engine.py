@@ -483,6 +483,7 @@ class Engine:
             load_weights=self._load_weights,
             chat_template=entry.chat_template,
             kv_bits=entry.layout.kv_bits,
+            fork=self.settings.fork,
         )
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
@@ -498,6 +499,7 @@ class Engine:
             self._tokenizer_pool,
             chat_template=entry.chat_template,
             kv_bits=entry.layout.kv_bits,
+            fork=self.settings.fork,
         )
         warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
@@ -527,6 +529,7 @@ class Engine:
             hybrid=loaded.layout.is_hybrid,
             cache_layers=loaded.layout.describe(),
             kv=loaded.kv,
+            fork=loaded.fork,
             attention=loaded.attention,
             short_conv=loaded.short_conv,
             warm_up_s=None if warm_up_seconds is None else round(warm_up_seconds, 3),

@@ -179,6 +179,8 @@ class Scheduler:
     def _started(self, start: StartPrefill) -> None:
         """Its lookup is done: a waiter resumes its turn; a new sequence takes one, or waits on a leader."""
         seq = start.seq
+        if seq.reused and _reads_reuse_in_place(seq):
+            self.kv_budget.reserve_running(self._running_bytes())  # it holds only its own positions (_reserved_tokens)
         if start.distrusted is not None:
             seq.report.turn_off("distrusted")
             seq.report.checkpoint = start.distrusted  # the kind it would have reused
@@ -596,8 +598,16 @@ KV_GROWTH_STEP_TOKENS = 256
 
 
 def _reserved_tokens(seq: SequenceState) -> int:
+    """What its cache can grow to; a shared fork's reused part is the store's (leased, counted there)."""
     new_tokens = 0 if seq.job.warm_only else seq.max_new_tokens
-    return len(seq.tokens) + new_tokens + KV_GROWTH_STEP_TOKENS
+    held = len(seq.tokens) - (seq.reused if _reads_reuse_in_place(seq) else 0)
+    return held + new_tokens + KV_GROWTH_STEP_TOKENS
+
+
+def _reads_reuse_in_place(seq: SequenceState) -> bool:
+    """A shared fork (--fork share) of a model without window layers: its window layers' copies would count."""
+    layout = seq.loaded.layout
+    return layout.shares_forks and not layout.window_layers
 
 
 def _sequence_bytes(seq: SequenceState) -> int:

@@ -1,6 +1,7 @@
 """Live mlx-lm caches to and from store payloads: capture what a prefill computed, fork a hit.
 
-A fork never aliases the store, and a capture never aliases the live cache,
+A fork never writes into the store's arrays (a shared fork reads them in
+place: shared_prefix_cache.py), and a capture never aliases the live cache,
 so writing to either never changes the other (tests pin this). A
 ``--kv-bits`` model's live caches are round_trip_cache.py's: a fork
 dequantizes the stored segments for attention and keeps their packed form
@@ -20,11 +21,18 @@ from .layout import CacheLayout
 from .quantized_kv import KvQuantization
 from .round_trip_cache import NUM_PACKED_PARTS, RoundTripKVCache, RoundTripWindowKVCache
 from .segments import KVSegment, StateSnapshot
+from .shared_prefix_cache import SharedPrefixKVCache
 from .window_kv import fill_window, window_cache, window_range
 
 # Spare room given to a forked attention cache, so the first tokens appended
 # after a hit write in place instead of triggering a second full copy.
 FORK_HEADROOM_TOKENS = 256
+# A shared fork (layout.shares_forks) reads stored segments of at least this many tokens in place and
+# joins each run of shorter ones (a chat's messages and answers) into one copied piece: every piece
+# costs attention a matmul pair per layer and step (models/prefix_attention.py).
+SHARED_PIECE_MIN_TOKENS = 256
+# More pieces than this and the fork copies, as without sharing (36 pieces: a step's attention 2-6x).
+MAX_SHARED_PIECES = 8
 # On CUDA a fork joins its stored segments at most this many at a time (_join_in_groups).
 FORK_GROUP = 8
 # None: group on CUDA only (where an evaluation's CUDA graphs are cached by
@@ -60,6 +68,8 @@ def capture_segment(cache: list[Any], layout: CacheLayout, start: int, end: int)
         ranges = [
             window_range(part, start, end)
             if i in windows
+            else part.positions(start, end)
+            if isinstance(part, SharedPrefixKVCache)
             else (part.keys[..., start:end, :], part.values[..., start:end, :])
             for part in parts
         ]
@@ -127,9 +137,11 @@ def fork_cache(
 ) -> list[Any]:
     """A fresh live cache holding the first ``length`` tokens of a stored prefix.
 
-    The result never aliases the store: attention layers get new arrays built
-    by concatenation, state layers get new array objects. Writing to the fork
-    therefore never changes a stored entry (tests pin this).
+    Writing to the fork never changes a stored entry (tests pin this): a
+    copying fork gives attention layers new arrays built by concatenation; a
+    shared one (layout.shares_forks) reads the stored arrays in place and
+    writes only into buffers of its own (shared_prefix_cache.py); state layers
+    get new array objects either way.
     """
     cache = live_cache(model, layout)
     if length == 0:
@@ -144,14 +156,23 @@ def fork_cache(
         for position, layer_index in enumerate(layout.attention_layers)
         if layer_index not in windows
     ]
+    for position, layer_index in enumerate(layout.attention_layers):
+        if layer_index in windows:
+            cache[layer_index] = _fork_window(layout.window_size, segments, position, length, quant)
+    groups = _shared_groups(segments) if layout.shares_forks and quant is None else None
+    if groups is not None:
+        for position, layer_index in full:
+            cache[layer_index] = SharedPrefixKVCache(
+                [_joined([s.keys[position] for s in group]) for group in groups],
+                [_joined([s.values[position] for s in group]) for group in groups],
+            )
+        _restore_states(cache, layout, snapshot)
+        return cache
     # Per global layer, the arrays its live cache holds, each as one piece per segment (_layer_pieces).
     pieces = [_layer_pieces(segments, position, quant) for position, _ in full]
     parts = [part for layer in pieces for part in layer]
     if len(segments) > FORK_GROUP and (GROUPED_FORK if GROUPED_FORK is not None else on_cuda()):
         parts = _join_in_groups(parts)
-    for position, layer_index in enumerate(layout.attention_layers):
-        if layer_index in windows:
-            cache[layer_index] = _fork_window(layout.window_size, segments, position, length, quant)
     per_layer = len(pieces[0]) if pieces else 0
     for index, (_, layer_index) in enumerate(full):
         arrays = [_with_headroom(part) for part in parts[index * per_layer : (index + 1) * per_layer]]
@@ -166,10 +187,31 @@ def fork_cache(
             layer_cache.keys = quant.dequantize(tuple(arrays[0::2]))
             layer_cache.values = quant.dequantize(tuple(arrays[1::2]))
         layer_cache.offset = length
+    _restore_states(cache, layout, snapshot)
+    return cache
+
+
+def _restore_states(cache: list[Any], layout: CacheLayout, snapshot: StateSnapshot | None) -> None:
     if snapshot is not None:
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
-    return cache
+
+
+def _shared_groups(segments: list[KVSegment]) -> list[list[KVSegment]] | None:
+    """The pieces a shared fork reads: long segments alone, each run of short ones joined; None: too many."""
+    groups: list[list[KVSegment]] = []
+    for segment in segments:
+        short = segment.num_tokens < SHARED_PIECE_MIN_TOKENS
+        if short and groups and sum(s.num_tokens for s in groups[-1]) < SHARED_PIECE_MIN_TOKENS:
+            groups[-1].append(segment)
+        else:
+            groups.append([segment])
+    return groups if len(groups) <= MAX_SHARED_PIECES else None
+
+
+def _joined(pieces: list[mx.array]) -> mx.array:
+    """One stored array as it is (read in place), or a copy joining several short ones."""
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
 
 def _join_in_groups(parts: list[list[mx.array]]) -> list[list[mx.array]]:

@@ -33,6 +33,9 @@ class CacheLayout:
     window_layers: tuple[int, ...] = ()  # the RotatingKVCache ones among attention_layers
     window_size: int = 0  # their max_size (one size for all of them)
     kv_bits: int = 0  # 8 or 4: attention KV quantized (--kv-bits); 0: full precision
+    shares_forks: bool = (
+        False  # a hit's global layers read the stored segments in place (--fork, shared_prefix_cache.py)
+    )
 
     @property
     def quantization(self) -> KvQuantization | None:

@@ -24,6 +24,7 @@ from ..kv.fork import live_cache
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
 from ..kv.quantized_kv import describe_kv
 from . import short_conv, tail_attention
+from .shared_forks import wants_shared_forks, with_shared_forks
 from .generic_tools import tools_path
 from .prompt_encoding import EncodedPrompt, PromptEncoder
 
@@ -60,6 +61,7 @@ class LoadedModel:
     attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
     short_conv: str = "native"  # the form of a hybrid model's short convolutions (short_conv.py)
     kv: str = ""  # its attention KV as stats say it: float32, q8 (group 64), ... (quantized_kv.describe_kv)
+    fork: str = "copy"  # how a hit's stored KV reaches its passes: share or copy, and why (shared_forks.py)
 
     def describe(self, default: bool) -> dict[str, Any]:
         return model_description(self, default, self.attention)
@@ -106,6 +108,7 @@ def load_model(
     conv: str = "auto",
     chat_template: str | None = None,
     kv_bits: int = 0,
+    fork: str = "copy",
 ) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
@@ -117,6 +120,7 @@ def load_model(
     chat_template_file.py); a tokenizer from ``load_weights`` without it is
     loaded again with it.
     ``kv_bits``: 8 or 4 quantizes its attention KV (--kv-bits, kv/quantized_kv.py); 0 keeps full precision.
+    ``fork``: copy or share: whether a hit reads the stored segments in place (--fork, shared_forks.py).
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
@@ -135,6 +139,7 @@ def load_model(
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
     conv = short_conv.install(model, conv)
+    layout, fork = with_shared_forks(model, layout, wants_shared_forks(fork), first_param.dtype)
     kv_bytes_per_token, state_bytes_per_sequence, kv_dtype, head_dims = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
@@ -154,6 +159,7 @@ def load_model(
         attention=attention,
         short_conv=conv,
         kv=describe_kv(layout.kv_bits, kv_dtype or _dtype_name(first_param.dtype), head_dims),
+        fork=fork,
     )
 
 

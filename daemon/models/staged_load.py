@@ -44,10 +44,11 @@ def load_in_steps(
     step_bytes: int = STEP_BYTES,
     chat_template: str | None = None,
     kv_bits: int = 0,
+    fork: str = "copy",
 ) -> Generator[None, None, LoadedModel]:
     """Yields between steps; returns the loaded model (raises what a load raises, at the step it happens).
 
-    ``chat_template``: --chat-template's, replacing the model's own. ``kv_bits``: --kv-bits's, as load_model's.
+    ``chat_template``: --chat-template's, replacing the model's own. ``kv_bits``, ``fork``: --kv-bits's and --fork's, as load_model's.
     """
     model, config = mlx_lm_load_model(path, lazy=True)
     tokenizer = tokenizer_threads.submit(
@@ -79,4 +80,5 @@ def load_in_steps(
         load_weights=lambda _: (model, tokenizer.result()),
         chat_template=chat_template,
         kv_bits=kv_bits,
+        fork=fork,
     )

@@ -23,6 +23,11 @@ than fused, and what is left depends on the pass's length alone, not the cache
 depth; padding passes to a few lengths does not pay for itself (the figures,
 and what was tried: docs/decisions.md).
 
+A hit's cache that reads the stored segments in place (kv/shared_prefix_cache.py)
+hands attention only its own keys; this routing adds the stored pieces
+(prefix_attention.py), so such a cache works only in models routed here
+(loaded_model checks that a shared fork answers as a copied one does).
+
 The policy is process-wide because mlx-lm's model modules bind
 ``scaled_dot_product_attention`` by name at import; ``install`` rebinds that
 name in the modules a loaded model's layers come from.
@@ -36,6 +41,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..cuda import on_cuda
+from ..kv.shared_prefix_cache import SharedPrefixBatchKVCache, SharedPrefixKVCache
+from .prefix_attention import batch_prefix_attention, prefix_attention
 
 MODES = ("auto", "fused", "matmul")
 
@@ -84,6 +91,16 @@ def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=Non
     """mlx-lm's ``scaled_dot_product_attention`` with short multi-token passes in the matmul form."""
     from mlx_lm.models import base
 
+    if isinstance(cache, SharedPrefixKVCache) and cache.prefix_len:
+        if sinks is None:
+            return prefix_attention(queries, cache.prefix_keys, cache.prefix_values, keys, values, scale, mask)
+        # No sink term in the plain form: the fused kernel on a joined copy (no model prefixd serves has sinks).
+        keys = mx.concatenate([*cache.prefix_keys, keys], axis=2)
+        values = mx.concatenate([*cache.prefix_values, values], axis=2)
+    if isinstance(cache, SharedPrefixBatchKVCache) and cache.has_pieces:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks over shared stored pieces (no model prefixd serves has them)")
+        return batch_prefix_attention(queries, cache.row_keys, cache.row_values, keys, values, scale, mask)
     if _takes_matmul(queries, keys, cache, sinks):
         _state["matmul_passes"] += 1
         return matmul_attention(queries, keys, values, scale, mask)

@@ -285,6 +285,15 @@ SETTINGS: dict[str, Setting] = {
             note="matmul on a CUDA GPU, fused elsewhere",
         ),
         Setting(
+            "fork",
+            one_of("copy", "share"),
+            SCHEDULING,
+            "how a cache hit's stored KV reaches its passes: copy copies them into a fresh cache first; share "
+            "reads the stored segments in place (float32 models; checked at load; a request that joins the "
+            "decode batch copies them then), experimental",
+            default="copy",
+        ),
+        Setting(
             "warm_up",
             one_of("auto", "on", "off"),
             SCHEDULING,

@@ -60,7 +60,7 @@ class FakeModel:
     kv = "float32"
     state_bytes_per_sequence = 0
     eos_token_ids = frozenset({EOS})
-    layout = SimpleNamespace(is_hybrid=False)
+    layout = SimpleNamespace(is_hybrid=False, shares_forks=False, window_layers=())
     encoder = SimpleNamespace(check_length=lambda num_tokens, generates: None)
     tokenizer = property(lambda self: SimpleNamespace(detokenizer=FakeDetokenizer()))
 

@@ -1,0 +1,105 @@
+"""--fork share: a hit reads the stored segments in place and answers what a cold run answers.
+
+Real (tiny) models in float32, through the engine's own pieces: an exact
+repeat and a longer prompt on a stored prefix decode on the shared cache
+(solo path), requests sharing a prefix join the decode batch (which copies
+them), and a stop that trims into the stored part. Where sharing cannot be
+exact the model copies and says why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from prefixd.daemon.cache import PrefixStore
+from prefixd.daemon.engine.inline_runner import run_inline, run_one_inline
+from prefixd.daemon.engine.jobs import GenerateJob
+from prefixd.daemon.kv.fork import fork_cache
+from prefixd.daemon.kv.shared_prefix_cache import SharedPrefixKVCache
+from prefixd.daemon.models.loaded_model import load_model
+from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
+
+SOURCE_TEXT = (__import__("inspect").getsource(__import__("argparse")))[:20000]
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "qwen3_moe"])
+def shared(request):
+    return load_model(str(request.getfixturevalue(f"tiny_{request.param}_dir")), dtype="float32", fork="share")
+
+
+def job(tokens, max_tokens=8, use=True) -> GenerateJob:
+    params = GenerateParams(
+        prompt=PromptInput(tokens=tuple(tokens)), max_tokens=max_tokens, cache=CacheOptions(use=use, store=use)
+    )
+    return GenerateJob("test", 1, params, emit=lambda kind, payload: None)
+
+
+def make_store() -> PrefixStore:
+    return PrefixStore(max_bytes=2 << 30, max_nodes=100_000, max_pinned_bytes=1 << 28)
+
+
+def test_the_model_serves_with_shared_forks(shared):
+    assert shared.fork == "share" and shared.layout.shares_forks
+
+
+def test_a_shared_hit_answers_as_a_cold_run_and_leaves_the_store_as_it_was(shared):
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:300]
+    store = make_store()
+    cold = run_one_inline(job(tokens, use=False), shared, None, 64)
+    first = run_one_inline(job(tokens), shared, store, 64)
+    match = store.match(shared.fingerprint, tokens, requires_snapshot=shared.layout.is_hybrid)
+    stored = [np.array(k) for s in match.segments for k in s.keys + s.values]
+    forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
+    assert any(isinstance(layer, SharedPrefixKVCache) for layer in forked)
+    store.release(match.lease)
+    repeat = run_one_inline(job(tokens), shared, store, 64)
+    assert repeat["cache"]["hit"] == "exact"
+    assert first["text"] == cold["text"] == repeat["text"]
+    longer = tokens + tokens[:40]
+    warm = run_one_inline(job(longer), shared, store, 64)
+    assert warm["cache"]["reused_tokens"] > 0
+    assert warm["text"] == run_one_inline(job(longer, use=False), shared, None, 64)["text"]
+    match = store.match(shared.fingerprint, tokens, requires_snapshot=shared.layout.is_hybrid)
+    after = [np.array(k) for s in match.segments for k in s.keys + s.values]
+    store.release(match.lease)
+    assert len(after) == len(stored) and all(np.array_equal(a, b) for a, b in zip(stored, after))
+
+
+def test_shared_hits_that_join_the_batch_answer_as_their_cold_runs(shared, monkeypatch):
+    from prefixd.daemon.models import tail_attention
+
+    batch_steps = []
+    counted = tail_attention.batch_prefix_attention
+    monkeypatch.setattr(tail_attention, "batch_prefix_attention", lambda *a: batch_steps.append(1) or counted(*a))
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:260]
+    store = make_store()
+    run_one_inline(job(tokens, max_tokens=2), shared, store, 64)  # stores the shared prefix
+    prompts = [tokens + tokens[i * 10 : i * 10 + 7] for i in range(3)]
+    together = run_inline([job(p) for p in prompts], shared, store, 64)
+    assert batch_steps  # the rows decoded together, reading the stored prefix in place
+    for prompt, result in zip(prompts, together):
+        assert result["cache"]["reused_tokens"] > 0
+        assert result["text"] == run_one_inline(job(prompt, use=False), shared, None, 64)["text"]
+
+
+def test_where_sharing_cannot_be_exact_the_model_copies_and_says_why(tiny_mamba_dir, tiny_llama_dir):
+    mamba = load_model(str(tiny_mamba_dir), dtype="float32", fork="share")
+    assert not mamba.layout.shares_forks and mamba.fork.startswith("copy (no global attention")
+    bf16 = load_model(str(tiny_llama_dir), dtype="bfloat16", fork="share")
+    assert not bf16.layout.shares_forks and "float32 only" in bf16.fork
+    assert load_model(str(tiny_llama_dir), dtype="float32").fork == "copy"  # the default
+
+
+def test_the_load_check_refuses_a_model_whose_attention_skips_the_routing(tiny_llama_dir, monkeypatch):
+    from prefixd.daemon.models import tail_attention
+
+    # An attention that ignores the stored pieces: what a model calling MLX's kernel directly would do.
+    monkeypatch.setattr(
+        tail_attention,
+        "prefix_attention",
+        lambda q, pk, pv, k, v, scale, mask: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
+    )
+    loaded = load_model(str(tiny_llama_dir), dtype="float32", fork="share")
+    assert not loaded.layout.shares_forks and "answered differently" in loaded.fork
