@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..cache import CacheReport, PrefixStore
 from ..kv.fork import can_capture, capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..kv.segments import segments_source
+from ..kv.shared_prefix_cache import reads_in_place
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
 from .corrupt_fault import corrupted_if_asked
@@ -125,6 +126,7 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
         match.snapshot if match else None,
         seq.reused,
     )
+    seq.reads_reuse_in_place = reads_in_place(seq.cache)
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.prefill_started_at = started

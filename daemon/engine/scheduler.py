@@ -179,7 +179,7 @@ class Scheduler:
     def _started(self, start: StartPrefill) -> None:
         """Its lookup is done: a waiter resumes its turn; a new sequence takes one, or waits on a leader."""
         seq = start.seq
-        if seq.reused and _reads_reuse_in_place(seq):
+        if _reads_reuse_in_place(seq):
             self.kv_budget.reserve_running(self._running_bytes())  # it holds only its own positions (_reserved_tokens)
         if start.distrusted is not None:
             seq.report.turn_off("distrusted")
@@ -605,9 +605,8 @@ def _reserved_tokens(seq: SequenceState) -> int:
 
 
 def _reads_reuse_in_place(seq: SequenceState) -> bool:
-    """A shared fork (--fork share) of a model without window layers: its window layers' copies would count."""
-    layout = seq.loaded.layout
-    return layout.shares_forks and not layout.window_layers
+    """Its fork shares the store's arrays (--fork); not in a model with window layers, whose windows are copied."""
+    return seq.reads_reuse_in_place and not seq.loaded.layout.window_layers
 
 
 def _sequence_bytes(seq: SequenceState) -> int:

@@ -33,6 +33,10 @@ FORK_HEADROOM_TOKENS = 256
 SHARED_PIECE_MIN_TOKENS = 256
 # More pieces than this and the fork copies, as without sharing (36 pieces: a step's attention 2-6x).
 MAX_SHARED_PIECES = 8
+# A shorter hit copies: there the copy is cheap and the plain attention over pieces is not (SmolLM2, this
+# CPU, 4 sessions on one stored prompt: decode 7% slower sharing 532 tokens, 18% faster sharing 1,232;
+# bench/shared_forks.py).
+SHARED_FORK_MIN_TOKENS = 1024
 # On CUDA a fork joins its stored segments at most this many at a time (_join_in_groups).
 FORK_GROUP = 8
 # None: group on CUDA only (where an evaluation's CUDA graphs are cached by
@@ -134,8 +138,11 @@ def fork_cache(
     segments: list[KVSegment],
     snapshot: StateSnapshot | None,
     length: int,
+    share_from: int | None = None,
 ) -> list[Any]:
     """A fresh live cache holding the first ``length`` tokens of a stored prefix.
+
+    ``share_from``: the shortest hit a sharing layout reads in place (default SHARED_FORK_MIN_TOKENS).
 
     Writing to the fork never changes a stored entry (tests pin this): a
     copying fork gives attention layers new arrays built by concatenation; a
@@ -159,7 +166,9 @@ def fork_cache(
     for position, layer_index in enumerate(layout.attention_layers):
         if layer_index in windows:
             cache[layer_index] = _fork_window(layout.window_size, segments, position, length, quant)
-    groups = _shared_groups(segments) if layout.shares_forks and quant is None else None
+    shortest = SHARED_FORK_MIN_TOKENS if share_from is None else share_from
+    shares = layout.shares_forks and quant is None and length >= shortest
+    groups = _shared_groups(segments) if shares else None
     if groups is not None:
         for position, layer_index in full:
             cache[layer_index] = SharedPrefixKVCache(

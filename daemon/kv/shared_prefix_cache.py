@@ -218,6 +218,11 @@ def materialized(cache: Any) -> Any:
     return plain
 
 
+def reads_in_place(cache: list[Any]) -> bool:
+    """Whether a sequence's cache reads stored pieces in place (a shared fork of a hit)."""
+    return any(isinstance(layer, SharedPrefixKVCache) and layer.prefix_len for layer in cache)
+
+
 def batch_rows(cache: list[Any], shares_forks: bool) -> list[Any]:
     """A sequence's cache as mlx-lm's batch will merge it.
 

@@ -108,7 +108,7 @@ def load_model(
     conv: str = "auto",
     chat_template: str | None = None,
     kv_bits: int = 0,
-    fork: str = "copy",
+    fork: str = "auto",
 ) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
@@ -120,7 +120,7 @@ def load_model(
     chat_template_file.py); a tokenizer from ``load_weights`` without it is
     loaded again with it.
     ``kv_bits``: 8 or 4 quantizes its attention KV (--kv-bits, kv/quantized_kv.py); 0 keeps full precision.
-    ``fork``: copy or share: whether a hit reads the stored segments in place (--fork, shared_forks.py).
+    ``fork``: auto, copy or share: whether a hit reads the stored segments in place (--fork, shared_forks.py).
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
@@ -139,7 +139,8 @@ def load_model(
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
     conv = short_conv.install(model, conv)
-    layout, fork = with_shared_forks(model, layout, wants_shared_forks(fork), first_param.dtype)
+    on_gpu = mx.default_device().type == mx.gpu
+    layout, fork = with_shared_forks(model, layout, wants_shared_forks(fork, on_gpu), first_param.dtype)
     kv_bytes_per_token, state_bytes_per_sequence, kv_dtype, head_dims = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,

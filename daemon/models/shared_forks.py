@@ -19,7 +19,7 @@ from ..kv.fork import capture_segment, capture_snapshot, fork_cache, live_cache
 from ..kv.layout import CacheLayout
 from ..kv.shared_prefix_cache import SharedPrefixKVCache
 
-MODES = ("copy", "share")
+MODES = ("auto", "copy", "share")
 
 CHECK_TOKENS = 24  # the check's prompt: token ids 3..26, every vocabulary has them
 CHECK_PREFIX = 16  # its first part, stored and then forked
@@ -28,11 +28,11 @@ CHECK_PREFIX = 16  # its first part, stored and then forked
 CHECK_TOLERANCE = 0.05
 
 
-def wants_shared_forks(mode: str) -> bool:
-    """``share`` is opt-in until a whole-daemon benchmark says it pays (docs/decisions.md, "Forks")."""
+def wants_shared_forks(mode: str, on_gpu: bool) -> bool:
+    """``auto``: share on a CPU, where bench/shared_forks.py measured it to pay; copy on a GPU (not measured yet)."""
     if mode not in MODES:
         raise ValueError(f"fork mode must be one of {', '.join(MODES)}, not {mode!r}")
-    return mode == "share"
+    return mode == "share" or (mode == "auto" and not on_gpu)
 
 
 def with_shared_forks(model: Any, layout: CacheLayout, wanted: bool, dtype: Any) -> tuple[CacheLayout, str]:
@@ -60,7 +60,7 @@ def _check_difference(model: Any, shared: CacheLayout) -> float | None:
     first = live_cache(model, shared)
     model(tokens[:, :CHECK_PREFIX], cache=first)
     segment = capture_segment(first, shared, 0, CHECK_PREFIX)
-    fork = fork_cache(model, shared, [segment], capture_snapshot(first, shared), CHECK_PREFIX)
+    fork = fork_cache(model, shared, [segment], capture_snapshot(first, shared), CHECK_PREFIX, share_from=0)
     if not any(isinstance(layer, SharedPrefixKVCache) for layer in fork):
         return None
     warm = model(tokens[:, CHECK_PREFIX:], cache=fork)[:, -1].astype(mx.float32)

@@ -44,7 +44,7 @@ def load_in_steps(
     step_bytes: int = STEP_BYTES,
     chat_template: str | None = None,
     kv_bits: int = 0,
-    fork: str = "copy",
+    fork: str = "auto",
 ) -> Generator[None, None, LoadedModel]:
     """Yields between steps; returns the loaded model (raises what a load raises, at the step it happens).
 

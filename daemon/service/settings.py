@@ -286,12 +286,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "fork",
-            one_of("copy", "share"),
+            one_of("auto", "copy", "share"),
             SCHEDULING,
-            "how a cache hit's stored KV reaches its passes: copy copies them into a fresh cache first; share "
-            "reads the stored segments in place (float32 models; checked at load; a request that joins the "
-            "decode batch copies them then), experimental",
-            default="copy",
+            "how a cache hit of 1,024 tokens or more reaches its passes: share reads the stored segments in place "
+            "(float32 models without --kv-bits, checked at load): a running request then holds and reserves only "
+            "its own tokens; copy copies them into a fresh cache first",
+            default="auto",
+            note="share on a CPU, copy on a GPU",
         ),
         Setting(
             "warm_up",

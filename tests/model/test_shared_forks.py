@@ -16,6 +16,7 @@ import mlx.core as mx
 from prefixd.daemon.cache import PrefixStore
 from prefixd.daemon.engine.inline_runner import run_inline, run_one_inline
 from prefixd.daemon.engine.jobs import GenerateJob
+from prefixd.daemon.kv import fork
 from prefixd.daemon.kv.fork import fork_cache
 from prefixd.daemon.kv.shared_prefix_cache import SharedPrefixKVCache
 from prefixd.daemon.models.loaded_model import load_model
@@ -27,6 +28,12 @@ SOURCE_TEXT = (__import__("inspect").getsource(__import__("argparse")))[:20000]
 @pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "qwen3_moe"])
 def shared(request):
     return load_model(str(request.getfixturevalue(f"tiny_{request.param}_dir")), dtype="float32", fork="share")
+
+
+@pytest.fixture(autouse=True)
+def short_hits_share_too(monkeypatch):
+    """The tiny models' prompts here are a few hundred tokens: share them as the daemon shares 1,024 and more."""
+    monkeypatch.setattr(fork, "SHARED_FORK_MIN_TOKENS", 0)
 
 
 def job(tokens, max_tokens=8, use=True) -> GenerateJob:
@@ -89,7 +96,19 @@ def test_where_sharing_cannot_be_exact_the_model_copies_and_says_why(tiny_mamba_
     assert not mamba.layout.shares_forks and mamba.fork.startswith("copy (no global attention")
     bf16 = load_model(str(tiny_llama_dir), dtype="bfloat16", fork="share")
     assert not bf16.layout.shares_forks and "float32 only" in bf16.fork
-    assert load_model(str(tiny_llama_dir), dtype="float32").fork == "copy"  # the default
+    assert load_model(str(tiny_llama_dir), dtype="float32", fork="copy").fork == "copy"
+    assert load_model(str(tiny_llama_dir), dtype="float32").fork == "share"  # auto: share on a CPU
+
+
+def test_a_hit_shorter_than_the_threshold_copies(shared, monkeypatch):
+    monkeypatch.setattr(fork, "SHARED_FORK_MIN_TOKENS", 1024)
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:300]
+    store = make_store()
+    run_one_inline(job(tokens), shared, store, 64)
+    match = store.match(shared.fingerprint, tokens, requires_snapshot=shared.layout.is_hybrid)
+    forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
+    store.release(match.lease)
+    assert not any(isinstance(layer, SharedPrefixKVCache) for layer in forked)
 
 
 def test_the_load_check_refuses_a_model_whose_attention_skips_the_routing(tiny_llama_dir, monkeypatch):

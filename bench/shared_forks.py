@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Sessions on one stored system prompt, with forks that copy it (--fork copy) and forks that read it in place (share).
+
+    .venv/bin/python bench/shared_forks.py [--model DIR] [--sessions 1,4,8] [--words 2400] [--max-tokens 32] [--json OUT]
+
+For each mode a daemon is started, the system prompt is stored by one request,
+then N sessions (one connection each) send it with a question of their own at
+once, greedy. Printed per mode and N: time to first token (p50 / worst),
+aggregate decode tokens/s, the most KV the scheduler reserved for running
+requests and the most memory MLX held (sampled from ``stats`` every 50 ms,
+above what it held before the sessions), and whether every answer is the
+one the other mode gave. Figures of one run, compared within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from harness import Daemon, connect, timed_generate  # noqa: E402
+
+DEFAULT_MODEL = Path.home() / ".local/share/prefixd/models/SmolLM2-135M-Instruct"
+WORDS = "river stone cloud garden lamp window copper violet harbor meadow pencil orbit ledger canyon".split()
+QUESTIONS = ["the first", "the second", "the last", "every", "a red", "no", "two", "the longest"]
+
+
+def system_prompt(num_words: int) -> str:
+    rng = random.Random(7)
+    return "You keep this inventory. " + " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+class MemorySampler:
+    """The most reserved KV and MLX memory seen while it runs, from ``stats`` on a connection of its own."""
+
+    def __init__(self, socket_path: Path):
+        self.socket_path = socket_path
+        self.peak_reserved = self.peak_active = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with connect(self.socket_path) as conn:
+            while not self._stop.is_set():
+                stats = conn.stats()
+                self.peak_reserved = max(self.peak_reserved, stats["requests"].get("kv_reserved_bytes", 0))
+                self.peak_active = max(self.peak_active, stats["process"]["mlx_active_bytes"])
+                time.sleep(0.05)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def sessions_at_once(socket_path: Path, system: str, num_sessions: int, max_tokens: int) -> dict:
+    results: list[dict] = [None] * num_sessions
+    barrier = threading.Barrier(num_sessions)
+
+    def session(index: int) -> None:
+        with connect(socket_path) as conn:
+            barrier.wait()
+            question = f"How many items are on {QUESTIONS[index % len(QUESTIONS)]} shelf, session {index}?"
+            results[index] = timed_generate(
+                conn,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+                max_tokens=max_tokens,
+                temperature=0,
+            )
+
+    with connect(socket_path) as conn:
+        active_before = conn.stats()["process"]["mlx_active_bytes"]
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(num_sessions)]
+    with MemorySampler(socket_path) as memory:
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+    ttfts = [r["client_ttft_ms"] for r in results]
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    decode_s = wall - max(ttfts) / 1000
+    return {
+        "sessions": num_sessions,
+        "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_max_ms": max(ttfts),
+        "decode_tok_s": (tokens - num_sessions) / decode_s if decode_s > 0 else None,
+        "wall_s": wall,
+        "reused_tokens": [r["cache"]["reused_tokens"] for r in results],
+        "prompt_tokens": results[0]["cache"]["prompt_tokens"],
+        "peak_reserved_mib": memory.peak_reserved / 2**20,
+        "peak_active_above_mib": (memory.peak_active - active_before) / 2**20,
+        "texts": [r["text"] for r in results],
+    }
+
+
+def run_mode(model: Path, mode: str, system: str, sessions: list[int], max_tokens: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir, Daemon(model, Path(workdir), ["--fork", mode]) as daemon:
+        with connect(daemon.socket_path) as conn:
+            fork = conn.models()
+            timed_generate(conn, messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+                           max_tokens=1, temperature=0)  # stores the system prompt
+        for num_sessions in sessions:
+            row = sessions_at_once(daemon.socket_path, system, num_sessions, max_tokens)
+            row["mode"] = mode
+            rows.append(row)
+        rows[0]["models"] = fork
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--sessions", default="1,4,8")
+    parser.add_argument("--words", type=int, default=2400, help="system prompt length in words (~1.2 tokens each)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--modes", default="copy,share,copy,share", help="run in this order (alternate to see the spread)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    system = system_prompt(args.words)
+    sessions = [int(n) for n in args.sessions.split(",")]
+    all_rows = []
+    print(f"model {args.model.name}; system prompt {args.words} words; {args.max_tokens} tokens per answer, greedy")
+    print(f"{'mode':>5} {'N':>2} {'prompt':>6} {'TTFT p50':>9} {'worst':>7} {'decode tok/s':>12} {'reserved MiB':>12} "
+          f"{'MLX above MiB':>13} {'wall s':>6}")
+    for mode in args.modes.split(","):
+        for row in run_mode(args.model, mode, system, sessions, args.max_tokens):
+            all_rows.append(row)
+            print(f"{row['mode']:>5} {row['sessions']:>2} {row['prompt_tokens']:>6} {row['ttft_p50_ms']:>9.0f} "
+                  f"{row['ttft_max_ms']:>7.0f} {row['decode_tok_s'] or 0:>12.1f} {row['peak_reserved_mib']:>12.1f} "
+                  f"{row['peak_active_above_mib']:>13.1f} {row['wall_s']:>6.1f}", flush=True)
+    by_key: dict[int, set] = {}
+    for row in all_rows:
+        by_key.setdefault(row["sessions"], set()).add(tuple(row["texts"]))
+    same = all(len(texts) == 1 for texts in by_key.values())
+    print(f"every session's answer the same in every mode and run: {'yes' if same else 'NO'}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": all_rows, "same_answers": same}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
