@@ -145,6 +145,7 @@ class PrefixStore:
             hit=hit,
             reason=reason,
             lease=Lease(last),
+            copied_tail_tokens=length - last.start_depth if last is not None and last.depth > length else 0,
         )
 
     def lease(self, namespace: str, tokens) -> Lease:

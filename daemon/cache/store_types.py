@@ -78,6 +78,7 @@ class Match:
     hit: HitKind
     reason: MissReason | None  # why not exact
     lease: Lease
+    copied_tail_tokens: int = 0  # the last segment is a copy of part of a stored one, made for this match
 
 
 class InsertResult(NamedTuple):

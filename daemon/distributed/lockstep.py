@@ -114,6 +114,8 @@ class LockstepInputs:
                 {
                     "models": {name: m.fingerprint for name, m in engine.models.items()},
                     "kv_bytes_per_token": {name: m.kv_bytes_per_token for name, m in engine.models.items()},
+                    # Forks that share reserve less: ranks must agree, or their admissions would part ways.
+                    "fork": {name: m.fork for name, m in engine.models.items()},
                 },
             )
         finally:

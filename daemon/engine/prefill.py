@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..cache import CacheReport, PrefixStore
 from ..kv.fork import can_capture, capture_segment, capture_snapshot, evaluate_fork, fork_cache
 from ..kv.segments import segments_source
-from ..kv.shared_prefix_cache import reads_in_place
+from ..kv.shared_prefix_cache import tokens_read_in_store
 from ..models.loaded_model import LoadedModel
 from ..models.prompt_encoding import EncodedPrompt
 from .corrupt_fault import corrupted_if_asked
@@ -126,7 +126,8 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
         match.snapshot if match else None,
         seq.reused,
     )
-    seq.reads_reuse_in_place = reads_in_place(seq.cache)
+    # A split head (copied_tail_tokens) is this sequence's own copy even when read in place.
+    seq.reused_in_store = max(0, tokens_read_in_store(seq.cache) - (match.copied_tail_tokens if match else 0))
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.prefill_started_at = started

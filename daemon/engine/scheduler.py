@@ -179,8 +179,9 @@ class Scheduler:
     def _started(self, start: StartPrefill) -> None:
         """Its lookup is done: a waiter resumes its turn; a new sequence takes one, or waits on a leader."""
         seq = start.seq
-        if _reads_reuse_in_place(seq):
-            self.kv_budget.reserve_running(self._running_bytes())  # it holds only its own positions (_reserved_tokens)
+        # What it reserves follows what its fork reads from the store (_reserved_tokens), on every lookup:
+        # a second one (after waiting, or a distrusted checkpoint run cold) may share less than the first.
+        self.kv_budget.reserve_running(self._running_bytes())
         if start.distrusted is not None:
             seq.report.turn_off("distrusted")
             seq.report.checkpoint = start.distrusted  # the kind it would have reused
@@ -600,13 +601,9 @@ KV_GROWTH_STEP_TOKENS = 256
 def _reserved_tokens(seq: SequenceState) -> int:
     """What its cache can grow to; a shared fork's reused part is the store's (leased, counted there)."""
     new_tokens = 0 if seq.job.warm_only else seq.max_new_tokens
-    held = len(seq.tokens) - (seq.reused if _reads_reuse_in_place(seq) else 0)
-    return held + new_tokens + KV_GROWTH_STEP_TOKENS
-
-
-def _reads_reuse_in_place(seq: SequenceState) -> bool:
-    """Its fork shares the store's arrays (--fork); not in a model with window layers, whose windows are copied."""
-    return seq.reads_reuse_in_place and not seq.loaded.layout.window_layers
+    # A model with window layers copies their windows in every fork: it reserves the whole prefix.
+    in_store = 0 if seq.loaded.layout.window_layers else seq.reused_in_store
+    return len(seq.tokens) - in_store + new_tokens + KV_GROWTH_STEP_TOKENS
 
 
 def _sequence_bytes(seq: SequenceState) -> int:

@@ -57,7 +57,7 @@ class SequenceState:
     lease: Lease | None = None  # the store's lock on the reused prefix
     cache: list[Any] | None = None  # the live cache while prefilling
     reused: int = 0
-    reads_reuse_in_place: bool = False  # its fork shares the store's arrays (kv/shared_prefix_cache.py)
+    reused_in_store: int = 0  # of reused, the tokens its fork reads from the store's arrays (shared_prefix_cache.py)
     position: int = 0  # tokens fed into the cache so far
     stored_upto: int = 0  # tokens of this sequence the store already holds
     plan: list[tuple[int, str]] = field(default_factory=list)  # remaining (depth, kind) prefill stops

@@ -170,10 +170,13 @@ def fork_cache(
     shares = layout.shares_forks and quant is None and length >= shortest
     groups = _shared_groups(segments) if shares else None
     if groups is not None:
+        # What the store holds itself; a joined run is this fork's own copy.
+        in_store = sum(group[0].num_tokens for group in groups if len(group) == 1)
         for position, layer_index in full:
             cache[layer_index] = SharedPrefixKVCache(
                 [_joined([s.keys[position] for s in group]) for group in groups],
                 [_joined([s.values[position] for s in group]) for group in groups],
+                in_store,
             )
         _restore_states(cache, layout, snapshot)
         return cache

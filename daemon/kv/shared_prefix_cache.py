@@ -14,10 +14,11 @@ calls when it sees this class.
 The store never changes an array it holds (segments are replaced, not
 written), and a running sequence holds a lease on what it reused, so the
 store cannot evict its pieces: they are counted once, in the store, and the
-scheduler reserves only the sequence's own positions. (A stored segment split
-by another insert while a sequence reads it stays alive beside its two
-copies until that sequence ends: a transient overshoot of at most one
-segment per such sequence.)
+scheduler reserves only the sequence's own positions and the pieces that
+are copies (short segments joined here, a stored segment's head cut for a
+hit inside it). Not counted: a stored segment that another insert splits
+while a sequence reads it stays alive beside the store's two copies of it
+for as long as that sequence runs (at most one segment per split edge).
 
 In mlx-lm's decode batch the rows stay so (SharedPrefixBatchKVCache): its
 padded buffer holds only their own positions, and rows on the same pieces
@@ -39,11 +40,14 @@ MATERIALIZE_HEADROOM_TOKENS = 256
 class SharedPrefixKVCache(KVCache):
     """A global attention layer: stored pieces read in place, then the sequence's own tokens."""
 
-    def __init__(self, prefix_keys: list[mx.array], prefix_values: list[mx.array]):
+    def __init__(self, prefix_keys: list[mx.array], prefix_values: list[mx.array], in_store: int | None = None):
+        """``in_store``: how many of the pieces' tokens are the store's own arrays (default all), the
+        rest being copies made for this sequence (short segments joined): what it need not reserve."""
         super().__init__()
-        self.prefix_keys = list(prefix_keys)  # the store's arrays: read, never written
+        self.prefix_keys = list(prefix_keys)  # the store's arrays (or this fork's joined copies): never written
         self.prefix_values = list(prefix_values)
         self.prefix_len = sum(k.shape[2] for k in self.prefix_keys)
+        self.in_store = self.prefix_len if in_store is None else in_store
         self.offset = self.prefix_len  # keys/values (mlx-lm's names) hold positions prefix_len.. of the sequence
 
     @property
@@ -105,6 +109,7 @@ class SharedPrefixKVCache(KVCache):
             keep = self.prefix_len - cut
             self.prefix_keys, self.prefix_values = _first_positions(self.prefix_keys, self.prefix_values, keep)
             self.prefix_len = self.offset = keep
+            self.in_store = min(self.in_store, keep)
             self.keys = self.values = None
         return n
 
@@ -218,9 +223,9 @@ def materialized(cache: Any) -> Any:
     return plain
 
 
-def reads_in_place(cache: list[Any]) -> bool:
-    """Whether a sequence's cache reads stored pieces in place (a shared fork of a hit)."""
-    return any(isinstance(layer, SharedPrefixKVCache) and layer.prefix_len for layer in cache)
+def tokens_read_in_store(cache: list[Any]) -> int:
+    """How many of a sequence's positions it reads from the store's own arrays (0: it copied)."""
+    return next((layer.in_store for layer in cache if isinstance(layer, SharedPrefixKVCache)), 0)
 
 
 def batch_rows(cache: list[Any], shares_forks: bool) -> list[Any]:

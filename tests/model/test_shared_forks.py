@@ -18,7 +18,7 @@ from prefixd.daemon.engine.inline_runner import run_inline, run_one_inline
 from prefixd.daemon.engine.jobs import GenerateJob
 from prefixd.daemon.kv import fork
 from prefixd.daemon.kv.fork import fork_cache
-from prefixd.daemon.kv.shared_prefix_cache import SharedPrefixKVCache
+from prefixd.daemon.kv.shared_prefix_cache import SharedPrefixKVCache, tokens_read_in_store
 from prefixd.daemon.models.loaded_model import load_model
 from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
 
@@ -122,3 +122,23 @@ def test_the_load_check_refuses_a_model_whose_attention_skips_the_routing(tiny_l
     )
     loaded = load_model(str(tiny_llama_dir), dtype="float32", fork="share")
     assert not loaded.layout.shares_forks and "answered differently" in loaded.fork
+
+
+def test_what_a_shared_fork_copies_is_not_counted_as_the_stores(shared):
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:300]
+    store = make_store()
+    run_one_inline(job(tokens, max_tokens=1), shared, store, 64)  # stored in 64-token segments
+    match = store.match(shared.fingerprint, tokens + [7, 8], requires_snapshot=shared.layout.is_hybrid)
+    forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
+    store.release(match.lease)
+    assert any(isinstance(layer, SharedPrefixKVCache) for layer in forked)
+    # runs of segments under SHARED_PIECE_MIN_TOKENS are joined: the fork's own copies
+    assert tokens_read_in_store(forked) < match.length
+    one = make_store()
+    run_one_inline(job(tokens, max_tokens=1), shared, one, 512)  # one long segment
+    match = one.match(shared.fingerprint, tokens[:280] + [7, 8], requires_snapshot=shared.layout.is_hybrid)
+    forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
+    one.release(match.lease)
+    if not shared.layout.is_hybrid:  # a hybrid resumes at a snapshot only: no cut head there
+        assert match.copied_tail_tokens == match.length == 280  # the head of the stored segment, cut for this hit
+    assert tokens_read_in_store(forked) == match.length  # read in place; prefill subtracts copied_tail_tokens

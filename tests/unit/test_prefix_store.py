@@ -107,6 +107,8 @@ def test_partial_hit_returns_exactly_the_agreeing_tokens(store, k):
     assert (m.length, m.matched_tokens, m.hit, m.reason) == (k, k, "partial", "diverged")
     assert covered(m) == A[:k]
     assert store.stats().total.num_nodes == num_nodes  # a mid-edge match does not split the tree
+    # the head of an edge cut for this match is a copy: a fork reading it in place must still count it
+    assert m.copied_tail_tokens == (0 if k in (8, len(A)) else k - (8 if k > 8 else 0))
 
 
 def test_matched_tokens_is_the_divergence_index_even_past_max_length(store):

@@ -20,6 +20,7 @@ from prefixd.daemon.kv.shared_prefix_cache import (
     SharedPrefixKVCache,
     batch_rows,
     materialized,
+    tokens_read_in_store,
 )
 from prefixd.daemon.models.prefix_attention import batch_prefix_attention, prefix_attention
 
@@ -152,6 +153,16 @@ def test_a_batch_takes_shared_rows_only_and_a_copying_model_copies():
 
 def segment(num_tokens: int) -> KVSegment:
     return KVSegment([mx.zeros((1, 1, num_tokens, 1))], [mx.zeros((1, 1, num_tokens, 1))], num_tokens)
+
+
+def test_a_shared_cache_says_how_much_of_it_the_store_holds():
+    prefix_keys, prefix_values = pieces([10, 20])
+    assert tokens_read_in_store([KVCache(), SharedPrefixKVCache(prefix_keys, prefix_values)]) == 30
+    joined = SharedPrefixKVCache(prefix_keys, prefix_values, in_store=10)  # the second piece a joined copy
+    assert tokens_read_in_store([joined]) == 10
+    joined.trim(25)
+    assert joined.in_store == 5
+    assert tokens_read_in_store([KVCache()]) == 0
 
 
 def test_a_fork_reads_long_segments_in_place_and_joins_runs_of_short_ones():
