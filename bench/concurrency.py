@@ -28,7 +28,7 @@ from prefixd.daemon.models.blas import preload_blas  # noqa: E402
 
 preload_blas()
 
-from harness import Daemon, connect, timed_generate  # noqa: E402
+from harness import Daemon, connect, run_at_once, timed_generate  # noqa: E402
 
 TOPICS = ["the sea", "a city at night", "winter mornings", "old libraries", "trains", "mountains", "gardens", "rivers"]
 
@@ -48,13 +48,7 @@ def decode_throughput(socket_path: Path, num_sessions: int, max_tokens: int) -> 
                 cache={"use": False, "store": False},
             )
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(num_sessions)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
+    wall = run_at_once(session, num_sessions)
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     # Decode-only aggregate: from the last first token to the last finish.
     decode_window = wall - max(r["client_ttft_ms"] for r in results) / 1000

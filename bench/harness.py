@@ -12,9 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -172,6 +173,17 @@ def _result(response: list) -> Any:
     if response[2] is not None:
         raise BenchError(f"daemon error {response[2].get('code')}: {response[2].get('message')}")
     return response[3]
+
+
+def run_at_once(session: Callable[[int], None], num_sessions: int) -> float:
+    """``session(i)`` on a thread each, started together; returns the wall time until the last ends."""
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(num_sessions)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
 
 
 def timed_generate(conn, **params) -> dict[str, Any]:

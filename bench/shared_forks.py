@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from harness import Daemon, connect, timed_generate  # noqa: E402
+from harness import Daemon, connect, run_at_once, timed_generate  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".local/share/prefixd/models/SmolLM2-135M-Instruct"
 WORDS = "river stone cloud garden lamp window copper violet harbor meadow pencil orbit ledger canyon".split()
@@ -82,14 +82,8 @@ def sessions_at_once(socket_path: Path, system: str, num_sessions: int, max_toke
 
     with connect(socket_path) as conn:
         active_before = conn.stats()["process"]["mlx_active_bytes"]
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(num_sessions)]
     with MemorySampler(socket_path) as memory:
-        started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - started
+        wall = run_at_once(session, num_sessions)
     ttfts = [r["client_ttft_ms"] for r in results]
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     decode_s = wall - max(ttfts) / 1000
