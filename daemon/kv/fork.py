@@ -30,9 +30,12 @@ FORK_HEADROOM_TOKENS = 256
 # A shared fork (layout.shares_forks) reads stored segments of at least this many tokens in place and
 # joins each run of shorter ones (a chat's messages and answers) into one copied piece: every piece
 # costs attention a matmul pair per layer and step (models/prefix_attention.py).
-SHARED_PIECE_MIN_TOKENS = 256
+SHARED_PIECE_MIN_TOKENS = 128
 # More pieces than this and the fork copies, as without sharing (36 pieces: a step's attention 2-6x).
-MAX_SHARED_PIECES = 8
+# On a CPU the pass limit stores a long prompt in passes that shorten with depth (a 2,432-token prompt:
+# about ten, six of them under 256 tokens): 128 and 12 read all of it in place (8 sessions: 122 MiB held
+# against 506 with 256 and 8, decode within the spread of copying; bench/shared_forks.py).
+MAX_SHARED_PIECES = 12
 # A shorter hit copies: there the copy is cheap and the plain attention over pieces is not (SmolLM2, this
 # CPU, 4 sessions on one stored prompt: decode 7% slower sharing 532 tokens, 18% faster sharing 1,232;
 # bench/shared_forks.py).
