@@ -42,6 +42,8 @@ def summarize(name: str, records: list[dict[str, Any]], daemon_urls: list[str], 
         "reused_tokens": sum(r["cached_tokens"] for r in ok),
         "reuse_share": _share(sum(r["cached_tokens"] for r in ok), sum(r["prompt_tokens"] for r in ok)),
         "warm_reuse_share": _share(sum(r["cached_tokens"] for r in warm), sum(r["prompt_tokens"] for r in warm)),
+        "in_place_share": _share(sum((r.get("cache") or {}).get("in_place_tokens", 0) for r in ok),
+                                 sum(r["cached_tokens"] for r in ok)),
         "warm_ttft_p50_s": _quantile([r["ttft_s"] for r in warm], 0.5),
         "warm_ttft_p90_s": _quantile([r["ttft_s"] for r in warm], 0.9),
         "warm_ttft_mean_s": statistics.fmean(r["ttft_s"] for r in warm) if warm else None,
@@ -106,7 +108,9 @@ def render_report(results: dict[str, Any]) -> str:
         "`--policy round_robin`.",
     ]
     for regime in results["regimes"]:
-        lines += ["", f"**{regime['cache_mib_each']} MiB --cache-bytes per daemon**", ""] + _policy_table(regime["runs"])
+        fork = regime.get("fork", "auto")
+        lines += ["", f"**{regime['cache_mib_each']} MiB --cache-bytes per daemon, --fork {fork}**", ""]
+        lines += _policy_table(regime["runs"])
     if results.get("fault"):
         lines += _fault_lines(results["fault"], results["regimes"][0]["cache_mib_each"])
     return "\n".join(lines) + "\n"
@@ -129,6 +133,7 @@ def _policy_table(runs: list[dict[str, Any]]) -> list[str]:
         row("requests (failed)", lambda r: f"{r['requests']} ({r['failed']})"),
         row("prompt tokens reused", lambda r: f"{r['reuse_share']:.1%}"),
         row("... of warm requests (all but each tenant's first)", lambda r: f"{r['warm_reuse_share']:.1%}"),
+        row("... of them read in place, not copied (--fork)", lambda r: f"{r.get('in_place_share', 0):.1%}"),
         row("warm TTFT p50 / p90, s (client, through the router)",
             lambda r: f"{_seconds(r['warm_ttft_p50_s'])} / {_seconds(r['warm_ttft_p90_s'])}"),
         row("warm TTFT p50 in the daemon, s", lambda r: _seconds(r["warm_server_ttft_p50_s"])),

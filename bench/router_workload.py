@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--cache-mib", default="224,160",
                         help="each daemon's --cache-bytes in MiB; a comma-separated list runs the policies once per size")
+    parser.add_argument("--fork-modes", default="auto",
+                        help="the daemons' --fork; a comma-separated list (copy,auto) runs each size once per mode, "
+                             "so a size's figures with and without reading stored prefixes in place come from one run")
     parser.add_argument("--fault-seconds", type=float, default=12.0, help="how long the killed daemon stays down")
     parser.add_argument("--no-fault", action="store_true", help="skip the kill-and-restart phase")
     parser.add_argument("--quick", action="store_true", help="3 tenants x 2 sessions, short prompts, a short fault")
@@ -74,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one request may take")
     args = parser.parse_args(argv)
     args.cache_mib = [int(size) for size in str(args.cache_mib).split(",")]
+    args.fork_modes = [mode for mode in str(args.fork_modes).split(",") if mode]
     if args.quick:
         args.tenants, args.sessions, args.system_words, args.fault_seconds = 3, 2, 150, 6.0
         args.cache_mib = args.cache_mib[:1]
@@ -85,18 +89,21 @@ RUNS = (("one daemon", "cache_aware"), ("cache_aware", "cache_aware"), ("tenant 
         ("round_robin", "round_robin"))
 
 
-def run_policies(args: argparse.Namespace, workdir: Path, cache_mib: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One daemon with all the memory, then the fleet under each policy of RUNS."""
+def run_policies(args: argparse.Namespace, workdir: Path, cache_mib: int, fork: str,
+                 records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One daemon with all the memory, then the fleet under each policy of RUNS, every daemon with ``--fork fork``."""
     (single_name, single_policy), *fleet_runs = RUNS
-    return {"cache_mib_each": cache_mib, "runs": [
-        run_policy(args, workdir, single_name, 1, single_policy, cache_mib * args.daemons, records),
-        *(run_policy(args, workdir, name, args.daemons, policy, cache_mib, records) for name, policy in fleet_runs)]}
+    return {"cache_mib_each": cache_mib, "fork": fork, "runs": [
+        run_policy(args, workdir, single_name, 1, single_policy, cache_mib * args.daemons, fork, records),
+        *(run_policy(args, workdir, name, args.daemons, policy, cache_mib, fork, records)
+          for name, policy in fleet_runs)]}
 
 
 def run_policy(args: argparse.Namespace, workdir: Path, name: str, num_daemons: int, policy: str,
-               cache_mib: int, all_records: list[dict[str, Any]]) -> dict[str, Any]:
-    print(f"== {name}: {num_daemons} daemon(s) x {cache_mib} MiB, smg --policy {policy}", flush=True)
-    with Fleet(args.model, workdir / f"{name}-{cache_mib}", num_daemons, policy, cache_mib * MIB) as fleet:
+               cache_mib: int, fork: str, all_records: list[dict[str, Any]]) -> dict[str, Any]:
+    print(f"== {name}: {num_daemons} daemon(s) x {cache_mib} MiB, --fork {fork}, smg --policy {policy}", flush=True)
+    with Fleet(args.model, workdir / f"{name}-{cache_mib}-{fork}", num_daemons, policy, cache_mib * MIB,
+               ["--fork", fork]) as fleet:
         order = workload(args.tenants, args.sessions, args.turns)
         sampler = LoadSampler(fleet.daemons, cache_mib * MIB)
         sampler.start()
@@ -107,7 +114,7 @@ def run_policy(args: argparse.Namespace, workdir: Path, name: str, num_daemons: 
         samples = sampler.stop()
         daemon_urls = [d.url for d in fleet.daemons]
         stores = [d.store() for d in fleet.daemons]
-    all_records.extend({"run": name, "cache_mib": cache_mib, "sent_s": round(r["sent_at"] - started, 2), **r}
+    all_records.extend({"run": name, "cache_mib": cache_mib, "fork": fork, "sent_s": round(r["sent_at"] - started, 2), **r}
                        for r in records)
     summary = summarize(name, records, daemon_urls, wall_s)
     summary["evictions_per_daemon"] = [store["num_evictions"] for store in stores]
@@ -124,7 +131,7 @@ def run_policy(args: argparse.Namespace, workdir: Path, name: str, num_daemons: 
 def run_fault(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Warm every tenant, then kill the busiest daemon under load and start it again from its disk cache."""
     print(f"== fault: {args.daemons} daemons, cache_aware, one killed for {args.fault_seconds:.0f} s", flush=True)
-    daemon_args = ["--disk-cache-bytes", "1G", "--disk-save-interval", "1"]
+    daemon_args = ["--disk-cache-bytes", "1G", "--disk-save-interval", "1", "--fork", args.fork_modes[-1]]
     with Fleet(args.model, workdir / "fault", args.daemons, "cache_aware", args.cache_mib[0] * MIB,
                daemon_args) as fleet:
         warm = run_turns(fleet.router.url, fleet.token, args.model.name, workload(args.tenants, 1, 1), args.system_words,
@@ -175,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "machine": machine_meta(args, args.model),
             "smg_version": SMG_VERSION,
-            "regimes": [run_policies(args, workdir, cache_mib, records) for cache_mib in args.cache_mib],
+            "regimes": [run_policies(args, workdir, cache_mib, fork, records)
+                        for cache_mib in args.cache_mib for fork in args.fork_modes],
         }
         if not args.no_fault:
             results["fault"] = run_fault(args, workdir)

@@ -32,6 +32,7 @@ class CacheReport:
     diverged_message: dict[str, Any] | None = None
     source: str | None = None  # memory | disk: where the reused prefix was computed; None when nothing was reused
     kv: str | None = None  # the model's attention KV, stored and computed: float32, q8 (group 64), ... (--kv-bits)
+    in_place_tokens: int = 0  # of reused_tokens, those its fork read in the store's arrays instead of copying (--fork)
 
     def turn_off(self, reason: str) -> None:
         self.hit, self.miss_reason = "off", reason
@@ -63,6 +64,7 @@ class CacheReport:
             "saved_ms_est": self.saved_ms_est,
             "source": self.source,
             "kv": self.kv,
+            "in_place_tokens": self.in_place_tokens,
             "miss_reason": self.miss_reason,
             "diverged_at": self.diverged_at,
             "diverged_message": self.diverged_message,

@@ -128,6 +128,7 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     )
     # A split head (copied_tail_tokens) is this sequence's own copy even when read in place.
     seq.reused_in_store = max(0, tokens_read_in_store(seq.cache) - (match.copied_tail_tokens if match else 0))
+    seq.report.in_place_tokens = seq.reused_in_store
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.prefill_started_at = started

@@ -15,7 +15,7 @@ from tests.e2e.daemon_process import NOTIFICATION, REQUEST, RESPONSE, RawConnect
 
 CACHE_KEYS = {
     "prompt_tokens", "reused_tokens", "prefilled_tokens", "stored_tokens", "hit", "checkpoint", "age_s",
-    "saved_ms_est", "source", "kv", "miss_reason", "diverged_at", "diverged_message",
+    "saved_ms_est", "source", "kv", "in_place_tokens", "miss_reason", "diverged_at", "diverged_message",
 }
 TIMING_KEYS = {"queue_ms", "encode_ms", "lookup_ms", "ttft_ms", "prefill_ms", "decode_ms", "total_ms", "decode_tokens_per_s"}
 STORE_STAT_KEYS = {

@@ -142,3 +142,16 @@ def test_what_a_shared_fork_copies_is_not_counted_as_the_stores(shared):
     if not shared.layout.is_hybrid:  # a hybrid resumes at a snapshot only: no cut head there
         assert match.copied_tail_tokens == match.length == 280  # the head of the stored segment, cut for this hit
     assert tokens_read_in_store(forked) == match.length  # read in place; prefill subtracts copied_tail_tokens
+
+
+def test_the_reply_says_how_much_of_the_hit_was_read_in_place(shared, tiny_llama_dir):
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:300]
+    store = make_store()
+    run_one_inline(job(tokens, max_tokens=1), shared, store, 512)  # one segment of 299 tokens: read in place
+    warm = run_one_inline(job(tokens + [7, 8]), shared, store, 512)["cache"]
+    assert 256 <= warm["in_place_tokens"] <= warm["reused_tokens"]  # global layers' (a window is copied)
+    copying = load_model(str(tiny_llama_dir), dtype="float32", fork="copy")
+    store = make_store()
+    run_one_inline(job(tokens, max_tokens=1), copying, store, 512)
+    warm = run_one_inline(job(tokens + [7, 8]), copying, store, 512)["cache"]
+    assert warm["reused_tokens"] >= 256 and warm["in_place_tokens"] == 0
