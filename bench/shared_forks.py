@@ -91,7 +91,9 @@ def sessions_at_once(socket_path: Path, system: str, num_sessions: int, max_toke
         "sessions": num_sessions,
         "ttft_p50_ms": statistics.median(ttfts),
         "ttft_max_ms": max(ttfts),
-        "decode_tok_s": (tokens - num_sessions) / decode_s if decode_s > 0 else None,
+        # None when the answers were empty (the model stopped at once, as SmolLM2 does past ~6k tokens):
+        # there is no decode to time, and wall time minus TTFT would be noise
+        "decode_tok_s": (tokens - num_sessions) / decode_s if decode_s > 0 and tokens > num_sessions else None,
         "wall_s": wall,
         "reused_tokens": [r["cache"]["reused_tokens"] for r in results],
         "prompt_tokens": results[0]["cache"]["prompt_tokens"],
@@ -99,6 +101,10 @@ def sessions_at_once(socket_path: Path, system: str, num_sessions: int, max_toke
         "peak_active_above_mib": (memory.peak_active - active_before) / 2**20,
         "texts": [r["text"] for r in results],
     }
+
+
+def decode_cell(tok_s: float | None) -> str:
+    return "no tokens" if tok_s is None else f"{tok_s:.1f}"
 
 
 def run_mode(model: Path, mode: str, system: str, sessions: list[int], max_tokens: int) -> list[dict]:
@@ -135,7 +141,7 @@ def main() -> int:
         for row in run_mode(args.model, mode, system, sessions, args.max_tokens):
             all_rows.append(row)
             print(f"{row['mode']:>5} {row['sessions']:>2} {row['prompt_tokens']:>6} {row['ttft_p50_ms']:>9.0f} "
-                  f"{row['ttft_max_ms']:>7.0f} {row['decode_tok_s'] or 0:>12.1f} {row['peak_reserved_mib']:>12.1f} "
+                  f"{row['ttft_max_ms']:>7.0f} {decode_cell(row['decode_tok_s']):>12} {row['peak_reserved_mib']:>12.1f} "
                   f"{row['peak_active_above_mib']:>13.1f} {row['wall_s']:>6.1f}", flush=True)
     by_key: dict[int, set] = {}
     for row in all_rows:

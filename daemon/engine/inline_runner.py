@@ -23,11 +23,16 @@ STORELESS_KV_BUDGET_BYTES = 8 << 30
 
 
 def run_inline(
-    jobs: list[GenerateJob], loaded: LoadedModel, store: PrefixStore | None, chunk_size: int = 512
+    jobs: list[GenerateJob],
+    loaded: LoadedModel,
+    store: PrefixStore | None,
+    chunk_size: int = 512,
+    pass_depth_scale: int | None = None,
 ) -> list[dict]:
     """Run ``jobs`` together (continuous batching) and return their final results in order.
 
     The jobs' KV shares the store's budget with what it holds. A job that fails raises its RpcError here.
+    ``pass_depth_scale``: passes shorten with depth as the daemon's do on a CPU (prefill.pass_limit).
     """
     finals: dict[int, tuple[str, Any]] = {}
 
@@ -48,6 +53,7 @@ def run_inline(
         kv_budget=kv_budget,
         resolve_model=lambda _: loaded,
         runner=ModelRunner(store, chunk_size),
+        pass_depth_scale=pass_depth_scale,
     )
     for job in jobs:
         admitted = scheduler.admit(collecting(job))

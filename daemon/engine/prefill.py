@@ -223,8 +223,16 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, work: PrefillPas
     mx.eval([c.state for c in seq.cache] + ([last] if takes_last else []))
     seq.loaded.note_prefill_rate(work.run_to - seq.position, time.monotonic() - started)
     seq.position = work.run_to
+    reached_planned_stop = False
     while seq.plan and seq.plan[0][0] <= depth:  # the stops it reached (none when pass_limit cut it short)
         seq.plan.pop(0)
+        reached_planned_stop = True
+    if not reached_planned_stop and not layout.window_layers:
+        # Cut short by the pass limit (a CPU at depth): stored at the next planned stop (a chunk boundary,
+        # a message's or the prompt's end) with what follows. Stored at every cut, a long prompt's segments
+        # shrank with depth (3,432 tokens: about 20), more than a shared fork reads in place, so every
+        # hit on it copied (bench/shared_forks.py). A window layer must be captured before it slides on.
+        return last
     for stop, kind in stops:  # only the last can carry a snapshot; hybrid passes take one stop each
         seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == seq.position else None)
     store_progress(seq, store, seq.cache, seq.tokens[:depth])

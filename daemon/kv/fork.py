@@ -31,11 +31,16 @@ FORK_HEADROOM_TOKENS = 256
 # joins each run of shorter ones (a chat's messages and answers) into one copied piece: every piece
 # costs attention a matmul pair per layer and step (models/prefix_attention.py).
 SHARED_PIECE_MIN_TOKENS = 128
-# More pieces than this and the fork copies, as without sharing (36 pieces: a step's attention 2-6x).
-# On a CPU the pass limit stores a long prompt in passes that shorten with depth (a 2,432-token prompt:
-# about ten, six of them under 256 tokens): 128 and 12 read all of it in place (8 sessions: 122 MiB held
-# against 506 with 256 and 8, decode within the spread of copying; bench/shared_forks.py).
+# More pieces than this and the fork copies, as without sharing (36 short pieces: a step's attention
+# 2-6x). A 2,432-token prompt stored in passes that shortened with depth (about ten, six of them under
+# 256 tokens): 128 and 12 read all of it in place (8 sessions: 122 MiB held against 506 with 256 and 8,
+# decode within the spread of copying; bench/shared_forks.py).
 MAX_SHARED_PIECES = 12
+# ... unless the pieces average this many tokens or more: there each one's matmul pair is a small part of
+# its work (this CPU, SmolLM2, one decode step over 8,192 tokens: 16 pieces 1.00x one contiguous cache,
+# 16,384 in 32 pieces 0.79x; bench/probes/shared_prefix_probe.py). Prompts the pass limit cut are stored
+# in chunks of this size (prefill.prefill_step).
+LONG_SHARED_PIECE_TOKENS = 512
 # A shorter hit copies: there the copy is cheap and the plain attention over pieces is not (SmolLM2, this
 # CPU, 4 sessions on one stored prompt: decode 7% slower sharing 532 tokens, 18% faster sharing 1,232;
 # bench/shared_forks.py).
@@ -213,7 +218,7 @@ def _restore_states(cache: list[Any], layout: CacheLayout, snapshot: StateSnapsh
 
 
 def _shared_groups(segments: list[KVSegment]) -> list[list[KVSegment]] | None:
-    """The pieces a shared fork reads: long segments alone, each run of short ones joined; None: too many."""
+    """The pieces a shared fork reads: long segments alone, each run of short ones joined; None: too many, too short."""
     groups: list[list[KVSegment]] = []
     for segment in segments:
         short = segment.num_tokens < SHARED_PIECE_MIN_TOKENS
@@ -221,7 +226,8 @@ def _shared_groups(segments: list[KVSegment]) -> list[list[KVSegment]] | None:
             groups[-1].append(segment)
         else:
             groups.append([segment])
-    return groups if len(groups) <= MAX_SHARED_PIECES else None
+    most = max(MAX_SHARED_PIECES, sum(s.num_tokens for s in segments) // LONG_SHARED_PIECE_TOKENS)
+    return groups if len(groups) <= most else None
 
 
 def _joined(pieces: list[mx.array]) -> mx.array:

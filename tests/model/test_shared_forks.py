@@ -155,3 +155,23 @@ def test_the_reply_says_how_much_of_the_hit_was_read_in_place(shared, tiny_llama
     run_one_inline(job(tokens, max_tokens=1), copying, store, 512)
     warm = run_one_inline(job(tokens + [7, 8]), copying, store, 512)["cache"]
     assert warm["reused_tokens"] >= 256 and warm["in_place_tokens"] == 0
+
+
+def test_a_long_prompt_cut_into_shortening_passes_is_stored_in_chunks_a_fork_reads_in_place(shared):
+    if shared.layout.window_layers:
+        pytest.skip("a window layer is stored at every pass, before it slides on")
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:3000]
+    assert len(tokens) == 3000
+    store = make_store()
+    run_inline([job(tokens, max_tokens=1)], shared, store, 512, pass_depth_scale=256)  # passes of 512 .. 40
+    edges = sorted(store.edges(shared.fingerprint), key=lambda edge: edge.start_depth)
+    prompt_edges = [edge for edge in edges if edge.start_depth < 2999]
+    # Stored at the planned stops only: every 512 tokens and the prompt's end, not at each cut.
+    assert [len(edge.key) for edge in prompt_edges] == [512] * 5 + [2999 - 5 * 512]
+    match = store.match(shared.fingerprint, tokens + [7, 8], requires_snapshot=shared.layout.is_hybrid)
+    forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
+    store.release(match.lease)
+    assert tokens_read_in_store(forked) == match.length
+    cold = run_one_inline(job(tokens + [7, 8], use=False), shared, None, 512)
+    warm = run_inline([job(tokens + [7, 8])], shared, store, 512, pass_depth_scale=256)[0]
+    assert warm["text"] == cold["text"] and warm["cache"]["in_place_tokens"] == match.length

@@ -13,7 +13,7 @@ import pytest
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from prefixd.daemon.kv.fork import MAX_SHARED_PIECES, SHARED_PIECE_MIN_TOKENS, _shared_groups
+from prefixd.daemon.kv.fork import LONG_SHARED_PIECE_TOKENS, MAX_SHARED_PIECES, SHARED_PIECE_MIN_TOKENS, _shared_groups
 from prefixd.daemon.kv.segments import KVSegment
 from prefixd.daemon.kv.shared_prefix_cache import (
     SharedPrefixBatchKVCache,
@@ -172,5 +172,7 @@ def test_a_fork_reads_long_segments_in_place_and_joins_runs_of_short_ones():
     assert [[s.num_tokens for s in group] for group in groups] == [[512], [512], [small, small], [512], [small]]
     # a long chat: many short turns become few pieces
     assert len(_shared_groups([segment(small)] * 40)) == 5
-    # beyond MAX_SHARED_PIECES pieces the fork copies, as without sharing
-    assert _shared_groups([segment(512)] * (MAX_SHARED_PIECES + 1)) is None
+    # beyond MAX_SHARED_PIECES pieces the fork copies, as without sharing, unless they are long
+    assert _shared_groups([segment(300)] * (MAX_SHARED_PIECES + 1)) is None
+    assert len(_shared_groups([segment(LONG_SHARED_PIECE_TOKENS)] * 40)) == 40  # a 20k-token prompt in chunks
+    assert _shared_groups([segment(LONG_SHARED_PIECE_TOKENS)] * 40 + [segment(300)] * 20) is None
