@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU figure of one session, in one device call (see ../shared/gpu/README.md for the set-up):
 #   source .gpu/b/install.sh && bash bench/gpu_session.sh STEP...    (KIT: where install.sh and floor.py are, default .gpu/b)
-# Steps: floor, batch, batchstep (bench/probes/batch_step_probe.py), probe, firsthit (bench/probes/first_hit_probe.py), probe-ragged (its part 4: a left-padded decode
+# Steps: floor, floor32k (the same at 32,000 tokens), hits (bench/probes/first_hit_probe.py at 4,000 and 32,000 tokens:
+# in process and through the daemon), batch, batchstep (bench/probes/batch_step_probe.py), probe, firsthit (bench/probes/first_hit_probe.py), probe-ragged (its part 4: a left-padded decode
 # batch), probe-conv (bench/probes/conv_shape_probe.py: lfm2's short convolution at new tail lengths), probe-decode
 # (bench/probes/decode_batch_probe.py: the daemon's decode batch step by step as the shared workload's rounds fill and
 # empty it; probe-decode-nographs: the same with MLX_USE_CUDA_GRAPHS=0), probe-chat (bench/probes/chat_turn_probe.py: a warm
@@ -14,7 +15,7 @@
 # 4 agents x 8 turns on an ~8,000-token tool-laden system prompt, prefixd vs mlx-lm server; quick: 2 x 4 on 1,500);
 # fairness, lfm2-fairness (bench/fairness.py --quick; fairness and fairness-full, the full form, write the engine's
 # step trace beside their figures: PREFIXD_TRACE_STEPS); shared-probe (bench/probes/shared_prefix_probe.py: attention over stored
-# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE).
+# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE), concurrency-alt (bench/concurrency.py --quick on it).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -36,9 +37,16 @@ step() {  # step NAME COMMAND...: run it under the time left, log to $out/NAME.l
   tail -n 25 "$out/$name.log"
 }
 
+alt_prefixd() {  # /tmp/pfx-alt/prefixd: the package of the tree in $ALT_TREE (a folder with its daemon/ client/ protocol/)
+  mkdir -p /tmp/pfx-alt/prefixd
+  for p in daemon client protocol; do ln -sfn "$(cd "${ALT_TREE:?}" && pwd)/$p" /tmp/pfx-alt/prefixd/$p; done
+}
+
 for s in "$@"; do
   case $s in
     floor) step floor python3 "${KIT:-.gpu/b}"/floor.py /tmp/q06 4000 ;;
+    floor32k) step floor32k python3 "${KIT:-.gpu/b}"/floor.py /tmp/q06 32000 ;;
+    hits) step hits python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 1,2 --lengths 4000,32000 --json "$out/hits.json" ;;
     batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
     batchstep) step batchstep python3 bench/probes/batch_step_probe.py /tmp/q06 --context 1000 --steps 40 ;;
     probe) step probe python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
@@ -56,7 +64,10 @@ for s in "$@"; do
     shared-probe) step shared-probe python3 bench/probes/shared_prefix_probe.py /tmp/q06 --depths 1024,4096,16384,32768 --json "$out/shared-probe.json" ;;
     full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;
-    concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick ;;
+    concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick --json "$out/concurrency.json" ;;
+    concurrency-alt)  # the same on the prefixd in $ALT_TREE
+      alt_prefixd
+      PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step concurrency-alt python3 bench/concurrency.py --smollm2 /tmp/q06 --quick --json "$out/concurrency-alt.json" ;;
     lfm2-quick) step lfm2-quick python3 bench/compare.py --quick --model /tmp/lfm2 --out "$out/lfm2-quick" ;;
     quick-fused) PREFIXD_ATTENTION=fused step quick-fused python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-fused" ;;
     quick-nographs) MLX_USE_CUDA_GRAPHS=0 step quick-nographs python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-nographs" ;;
@@ -68,8 +79,7 @@ for s in "$@"; do
     fairness-full) PREFIXD_TRACE_STEPS="$out/fairness-full-steps.jsonl" step fairness-full python3 bench/fairness.py --model /tmp/q06 --json "$out/fairness-full.json" ;;
     lfm2-fairness) step lfm2-fairness python3 bench/fairness.py --quick --model /tmp/lfm2 --json "$out/lfm2-fairness.json" ;;
     quick-alt)  # compare.py --quick on another tree's prefixd (ALT_TREE: a folder with its daemon/ client/ protocol/)
-      mkdir -p /tmp/pfx-alt/prefixd
-      for p in daemon client protocol; do ln -sfn "$(cd "${ALT_TREE:?}" && pwd)/$p" /tmp/pfx-alt/prefixd/$p; done
+      alt_prefixd
       PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step quick-alt python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-alt" ;;
     agent) step agent python3 bench/agent_workload.py --model /tmp/q06 --out "$out/agent" ;;
     agent-quick) step agent-quick python3 bench/agent_workload.py --quick --model /tmp/q06 --out "$out/agent-quick" ;;
