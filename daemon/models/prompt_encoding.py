@@ -76,12 +76,14 @@ class PromptEncoder:
         self._max_token_chars: int | None = None
         self._min_tokens_per_message: int | None = None
         self._tools_path: str | None = None
+        # A fast tokenizer's own (tokenizers.Tokenizer): offsets, and encoding without special tokens. None: a slow one.
+        self._backend = getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None)
         self._memo = self._make_memo()
         self._raw_frame = self._make_raw_frame()
 
     def _make_memo(self) -> TokenizationMemo | None:
         """A memo of recent chats' tokens (fast tokenizers only: it needs their offsets)."""
-        backend = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+        backend = self._backend
         if backend is None:
             return None
         special = {i: added.content for i, added in backend.get_added_tokens_decoder().items() if added.special}
@@ -103,7 +105,7 @@ class PromptEncoder:
         """
         if self._memo is None:
             return None
-        backend = self.tokenizer._tokenizer.backend_tokenizer
+        backend = self._backend
         probes = ["Hello, world.\n  x = [1, 2]", " leading space", "two\n\nlines ✓"]
         frames = set()
         for probe in probes:
@@ -323,7 +325,7 @@ class PromptEncoder:
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
         if self._memo is not None:
             return self._memo.encode(text)
-        backend = getattr(self.tokenizer._tokenizer, "backend_tokenizer", None)
+        backend = self._backend
         if backend is None:  # a slow tokenizer: no offsets, so no message boundaries
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return ids, [0] * len(ids)
