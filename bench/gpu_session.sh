@@ -15,7 +15,7 @@
 # 4 agents x 8 turns on an ~8,000-token tool-laden system prompt, prefixd vs mlx-lm server; quick: 2 x 4 on 1,500);
 # fairness, lfm2-fairness (bench/fairness.py --quick; fairness and fairness-full, the full form, write the engine's
 # step trace beside their figures: PREFIXD_TRACE_STEPS); shared-probe (bench/probes/shared_prefix_probe.py: attention over stored
-# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE), concurrency-alt (bench/concurrency.py --quick on it).
+# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE), concurrency-alt (bench/concurrency.py --quick on it); hits-raw (hits' daemon part only), hits-raw-alt (the same on $ALT_TREE).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -47,6 +47,10 @@ for s in "$@"; do
     floor) step floor python3 "${KIT:-.gpu/b}"/floor.py /tmp/q06 4000 ;;
     floor32k) step floor32k python3 "${KIT:-.gpu/b}"/floor.py /tmp/q06 32000 ;;
     hits) step hits python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 1,2 --lengths 4000,32000 --json "$out/hits.json" ;;
+    hits-raw) step hits-raw python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw.json" ;;
+    hits-raw-alt)  # the same on the prefixd in $ALT_TREE
+      alt_prefixd
+      PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step hits-raw-alt python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw-alt.json" ;;
     batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
     batchstep) step batchstep python3 bench/probes/batch_step_probe.py /tmp/q06 --context 1000 --steps 40 ;;
     probe) step probe python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;

@@ -21,6 +21,7 @@ import structlog
 
 from ...protocol.errors import ErrorCode, RpcError
 from ..cache import KvBudget, PrefixStore
+from ..cuda import on_cuda
 from ..models.loaded_model import LoadedModel, ModelCard, load_model, mlx_lm_load
 from ..models.model_catalog import CatalogEntry, describe_models
 from ..models.staged_load import load_in_steps
@@ -34,7 +35,7 @@ from .jobs import FAILED, GenerateJob, internal_error
 from .model_residency import ModelResidency
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
-from .settings import CPU_PASS_DEPTH_SCALE, EngineSettings, default_prefill_chunk
+from .settings import CPU_PASS_DEPTH_SCALE, EngineSettings, default_chunks_per_store, default_prefill_chunk
 from .step_trace import StepTrace
 from .warm_up import resolve_mode as warm_up_wanted
 from .warm_up import run_all, warm_up_steps
@@ -457,6 +458,7 @@ class Engine:
             shadow_rate=self.settings.shadow_rate,
             shadow_action=self.settings.shadow_action,
             pass_depth_scale=None if on_gpu else CPU_PASS_DEPTH_SCALE,
+            chunks_per_store=default_chunks_per_store(on_cuda()),
             agree=self.inputs.agree,
             trace=StepTrace.from_environment(),
         )

@@ -28,11 +28,13 @@ def run_inline(
     store: PrefixStore | None,
     chunk_size: int = 512,
     pass_depth_scale: int | None = None,
+    chunks_per_store: int = 1,
 ) -> list[dict]:
     """Run ``jobs`` together (continuous batching) and return their final results in order.
 
     The jobs' KV shares the store's budget with what it holds. A job that fails raises its RpcError here.
     ``pass_depth_scale``: passes shorten with depth as the daemon's do on a CPU (prefill.pass_limit).
+    ``chunks_per_store``: plain chunk stops are stored this often, as the daemon's are on CUDA (Scheduler._stores_pass).
     """
     finals: dict[int, tuple[str, Any]] = {}
 
@@ -54,6 +56,7 @@ def run_inline(
         resolve_model=lambda _: loaded,
         runner=ModelRunner(store, chunk_size),
         pass_depth_scale=pass_depth_scale,
+        chunks_per_store=chunks_per_store,
     )
     for job in jobs:
         admitted = scheduler.admit(collecting(job))

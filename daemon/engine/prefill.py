@@ -227,6 +227,10 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, work: PrefillPas
     while seq.plan and seq.plan[0][0] <= depth:  # the stops it reached (none when pass_limit cut it short)
         seq.plan.pop(0)
         reached_planned_stop = True
+    if not work.stores:
+        # Plain chunk stops off the store's stride (Scheduler._stores_pass, attention-only models): stored
+        # with the next pass that stores, and not as labels there (the store cuts an edge at each label).
+        return last
     if not reached_planned_stop and not layout.window_layers:
         # Cut short by the pass limit (a CPU at depth): stored at the next planned stop (a chunk boundary,
         # a message's or the prompt's end) with what follows. Stored at every cut, a long prompt's segments

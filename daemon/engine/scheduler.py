@@ -79,12 +79,14 @@ class Scheduler:
         shadow_rate: float = 0.0,
         shadow_action: str = "log",
         pass_depth_scale: int | None = None,
+        chunks_per_store: int = 1,
         agree: Callable[[bool], bool] = lambda decision: decision,
         trace: StepTrace | None = None,
     ):
         self.store = store
         self.chunk_size = chunk_size
         self.pass_depth_scale = pass_depth_scale  # prefill.pass_limit: passes shorten at long contexts (CPU)
+        self.chunks_per_store = chunks_per_store  # _stores_pass: how often a plain chunk stop is stored
         self.max_active = max_active
         self.kv_budget = kv_budget  # shared with the store: it holds what running sequences leave
         self.resolve_model = resolve_model
@@ -422,7 +424,32 @@ class Scheduler:
         # An attention model's last pass takes the prompt's last token along: its logits give the first token.
         takes_last = is_last and generates and not hybrid and depth == len(seq.tokens) - 1
         run_to = depth + 1 if takes_last else depth
-        return StepPlan(prefill=[PrefillPass(seq, tuple(stops), run_to, samples_first=is_last and generates)])
+        return StepPlan(
+            prefill=[
+                PrefillPass(
+                    seq, tuple(stops), run_to, samples_first=is_last and generates, stores=self._stores_pass(seq, stops)
+                )
+            ]
+        )
+
+    def _stores_pass(self, seq: SequenceState, stops: list[tuple[int, str]]) -> bool:
+        """Whether the pass hands its KV to the store when it is done (settings.CUDA_CHUNKS_PER_STORE).
+
+        Every pass does, except one of an attention-only model without windows
+        whose stops are all plain chunk stops off the ``chunks_per_store``
+        stride: fewer, longer segments fork with fewer copies. A message's or
+        the prompt's end is always stored (the next turn and other sessions
+        start there), and so is any pass another sequence waits on
+        (_prefilling_leader), so that no one waits longer for a shared prefix.
+        A hybrid's snapshot or a window must be taken where its pass ends.
+        """
+        layout = seq.loaded.layout
+        if self.chunks_per_store <= 1 or layout.is_hybrid or layout.window_layers:
+            return True
+        depth = stops[-1][0]
+        if any(kind != "chunk" for _, kind in stops) or depth % (self.chunk_size * self.chunks_per_store) == 0:
+            return True
+        return any(other.waiting_on is seq for other in self.active)
 
     # -- what the runner did --------------------------------------------------------------
 

@@ -48,3 +48,16 @@ CPU_PASS_DEPTH_SCALE = 1024
 
 def default_prefill_chunk(on_gpu: bool) -> int:
     return GPU_PREFILL_CHUNK if on_gpu else CPU_PREFILL_CHUNK
+
+
+# On CUDA an attention-only prompt's chunk stops are stored every this many chunks (8,192 tokens), not
+# every chunk; passes stay a chunk long (Scheduler._stores_pass). A fork of more than kv.fork.FORK_GROUP
+# stored segments joins them in groups first and so copies the prefix twice: a 32,000-token prompt was 16
+# segments. In 4 it forks with one copy, up to 64k tokens. On an H200 (bench/gpu_session.sh hits-raw
+# against hits-raw-alt, one call): its exact repeat 20-22 -> 17.5 ms at the client, and a 4,000-token one
+# (2 segments -> 1) 8-9 -> 7.3 ms.
+CUDA_CHUNKS_PER_STORE = 4
+
+
+def default_chunks_per_store(on_cuda: bool) -> int:
+    return CUDA_CHUNKS_PER_STORE if on_cuda else 1

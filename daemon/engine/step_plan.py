@@ -39,13 +39,16 @@ class PrefillPass:
 
     No stops: nothing to feed (the store held all but the last token).
     ``samples_first``: the prompt is done after this pass; sample the first
-    answer token from its last logits.
+    answer token from its last logits. ``stores``: hand what the pass computed
+    to the prefix store now; False keeps its stops as labels for the next pass
+    that stores (Scheduler._stores_pass).
     """
 
     seq: SequenceState
     stops: tuple[tuple[int, str], ...]
     run_to: int
     samples_first: bool
+    stores: bool = True
 
 
 @dataclass(frozen=True)
