@@ -61,8 +61,10 @@ def ms_since(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def in_process(model_dir: str, lengths: list[int], vocab_low: int = 100, vocab_high: int = 30000) -> list[dict]:
-    print("1. in process, the daemon's fork (ms): hit = fork + last token + argmax, one lazy eval")
+def in_process(model_dir: str, lengths: list[int], vocab_low: int = 100, vocab_high: int = 30000,
+               segment_tokens: int = CHUNK) -> list[dict]:
+    print(f"1. in process, the daemon's fork of {segment_tokens}-token segments (ms): hit = fork + last token + argmax,"
+          " one lazy eval")
     model, _ = load(model_dir)
     layout = make_cache_layout(model)
     rng = random.Random(0)
@@ -74,7 +76,8 @@ def in_process(model_dir: str, lengths: list[int], vocab_low: int = 100, vocab_h
             end = min(start + CHUNK, length - 1)
             model(mx.array(tokens[start:end])[None], cache=cache)
             mx.eval([c.state for c in cache])
-            segments.append(capture_segment(cache, layout, start, end))
+        for start in range(0, length - 1, segment_tokens):  # stored as the daemon stores (CUDA: every 4 chunks)
+            segments.append(capture_segment(cache, layout, start, min(start + segment_tokens, length - 1)))
         hits = []
         for _ in range(4):
             started = time.perf_counter()
@@ -140,8 +143,10 @@ def batch_first_steps(model_dir: str, sizes: list[int], rounds: int = 2, ragged:
     return rows
 
 
-def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], logs: str | None) -> list[dict]:
-    print(f"\n2. the daemon over its socket ({' '.join(extra_args) or 'defaults'}): cold, then 3 exact repeats")
+def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], logs: str | None,
+                   chat: bool = False) -> list[dict]:
+    form = "one chat message" if chat else "a raw prompt"
+    print(f"\n2. the daemon over its socket ({' '.join(extra_args) or 'defaults'}), {form}: cold, then 3 exact repeats")
     rng = random.Random(1)
     words = "river stone cloud garden lamp window copper violet harbor meadow pencil orbit".split()
     rows = []
@@ -150,7 +155,8 @@ def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], lo
         with connect(daemon.socket_path) as conn:
             for length in lengths:
                 text = " ".join(rng.choice(words) for _ in range(length))
-                replies = [timed_generate(conn, prompt=text, max_tokens=4, temperature=0) for _ in range(4)]
+                prompt = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+                replies = [timed_generate(conn, **prompt, max_tokens=4, temperature=0) for _ in range(4)]
                 row = {"words": length, "prompt_tokens": replies[0]["cache"]["prompt_tokens"],
                        "hits": [r["cache"]["hit"] for r in replies],
                        "client_ttft_ms": [r["client_ttft_ms"] for r in replies],
@@ -161,6 +167,9 @@ def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], lo
                       + " ".join(f"{t:6.1f}" for t in row["client_ttft_ms"])
                       + "   daemon prefill " + " ".join(f"{t:6.1f}" for t in row["prefill_ms"])
                       + "   " + ",".join(row["hits"]))
+                last = row["timings"][-1]
+                print("          last repeat: " + ", ".join(f"{key} {last[key]:.1f}" for key in
+                      ("queue_ms", "encode_ms", "lookup_ms", "prefill_ms") if key in last))
         print(f"   ({time.perf_counter() - started:.1f} s of requests)")
         if logs:
             Path(logs).mkdir(parents=True, exist_ok=True)
@@ -177,6 +186,8 @@ def main() -> int:
     parser.add_argument("--daemon-args", action="append", default=[],
                         help="run part 2 once per value (e.g. '' and '--no-warmup'); default: once with defaults")
     parser.add_argument("--parts", default="1,2")
+    parser.add_argument("--segment-tokens", type=int, default=CHUNK, help="part 1: the stored segments' length")
+    parser.add_argument("--chat", action="store_true", help="part 2: send each prompt as one user message")
     parser.add_argument("--batch-sizes", default="2,3,4,8")
     parser.add_argument("--daemon-logs", help="copy each daemon's log into this folder")
     parser.add_argument("--json")
@@ -186,9 +197,9 @@ def main() -> int:
     out: dict = {"device": str(mx.default_device()), "mlx": mx.__version__}
     print(f"device {mx.default_device()}, mlx {mx.__version__}")
     if 1 in parts:
-        out["in_process"] = in_process(args.model, lengths)
+        out["in_process"] = in_process(args.model, lengths, segment_tokens=args.segment_tokens)
     if 2 in parts:
-        out["daemon"] = {extra: through_daemon(args.model, lengths, shlex.split(extra), args.daemon_logs)
+        out["daemon"] = {extra: through_daemon(args.model, lengths, shlex.split(extra), args.daemon_logs, args.chat)
                          for extra in (args.daemon_args or [""])}
     if 3 in parts:
         out["batch"] = batch_first_steps(args.model, [int(n) for n in args.batch_sizes.split(",")])
