@@ -134,7 +134,10 @@ class ModelRunner:
         result.finished.append(finish)
 
     def _store_answer(self, seq: SequenceState, cache: list[Any]) -> None:
-        """Keep prompt + answer, so the next turn of a chat reuses the answer it just got."""
+        """Keep prompt + answer, so the next turn of a chat reuses the answer it just got.
+
+        A prompt cancelled before its answer keeps what its prefill computed: labelled a chunk there.
+        """
         fault_point("store_answer")
         layout = seq.loaded.layout
         if not layout.attention_layers:
@@ -145,7 +148,7 @@ class ModelRunner:
         tokens = seq.all_tokens()[:depth]
         if len(tokens) != depth:
             return
-        seq.checkpoints[depth] = ("answer-end", capture_snapshot(cache, layout))
+        seq.checkpoints[depth] = ("answer-end" if seq.generated else "chunk", capture_snapshot(cache, layout))
         store_progress(seq, self.store, cache, tokens)
 
     @staticmethod

@@ -410,7 +410,10 @@ class Scheduler:
     def _plan_pass(self, seq: SequenceState) -> StepPlan:
         """The next pass of a prompt whose turn it is: up to its next stops (prefill.next_stops)."""
         if seq.is_cancelled:
-            return StepPlan(finishes=[Finish(seq, FINISH_CANCELLED)])
+            # What its passes computed since the last store (_stores_pass, a pass the CPU's limit cut short)
+            # is kept: the request sent again, or the next one on this prefix, starts from there.
+            unstored = seq.position > seq.stored_upto and not seq.loaded.layout.is_hybrid
+            return StepPlan(finishes=[Finish(seq, FINISH_CANCELLED, seq.cache if unstored else None)])
         generates = not seq.job.warm_only
         if not seq.plan:  # the store held all but the last token
             return StepPlan(prefill=[PrefillPass(seq, (), seq.position, samples_first=generates)])

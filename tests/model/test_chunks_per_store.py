@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from prefixd.daemon.cache import PrefixStore
+from prefixd.daemon.engine import model_runner
 from prefixd.daemon.engine.inline_runner import run_inline
 from prefixd.daemon.engine.jobs import GenerateJob
 from prefixd.daemon.models.loaded_model import load_model
@@ -92,3 +93,27 @@ def test_a_hybrid_model_is_stored_at_every_chunk(tiny_lfm2_dir):
     run_inline([job(tokens, max_tokens=1)], hybrid, store, CHUNK, chunks_per_store=PER_STORE)
     ends = [end for _, end in prompt_edges(store, hybrid, 400)]
     assert ends[:6] == [64, 128, 192, 256, 320, 384]
+
+
+def test_a_prompt_cancelled_between_stores_keeps_what_it_computed(llama, prompt, monkeypatch):
+    """Cancelled after 3 passes, none stored yet (every 4 chunks): its 192 tokens are stored as it ends."""
+    passes = []
+    real_step = model_runner.prefill_step
+
+    def cancelling_step(seq, store, work):
+        logits = real_step(seq, store, work)
+        passes.append(work.run_to)
+        if len(passes) == 3:
+            seq.job.cancel()
+        return logits
+
+    monkeypatch.setattr(model_runner, "prefill_step", cancelling_step)
+    store = make_store()
+    cancelled = run_inline([job(prompt)], llama, store, CHUNK, chunks_per_store=PER_STORE)[0]
+    assert cancelled["finish_reason"] == "cancelled" and passes == [64, 128, 192]
+    assert cancelled["cache"]["stored_tokens"] == 192
+    assert prompt_edges(store, llama, 600) == [(0, 192)]
+    monkeypatch.setattr(model_runner, "prefill_step", real_step)
+    again = run_inline([job(prompt)], llama, store, CHUNK, chunks_per_store=PER_STORE)[0]
+    assert again["cache"]["reused_tokens"] == 192
+    assert again["text"] == run_inline([job(prompt, use=False)], llama, None, CHUNK)[0]["text"]
