@@ -104,8 +104,9 @@ def render_report(results: dict[str, Any]) -> str:
         "Every request names its tenant in `x-smg-routing-key`; only `tenant key` reads it.",
         "Router: `smg launch --load-monitor-interval 1` and `--policy cache_aware` (the request text's prefix "
         "tree; a prefix it has not seen goes to the lowest expected wait), `--policy manual --assignment-mode "
-        "min_group` (tenant key: a new key goes to the daemon with the fewest keys in flight, then stays), or "
-        "`--policy round_robin`.",
+        "min_group` (tenant key: a new key goes to the daemon with the fewest keys in flight, then stays), "
+        "`--policy prefix_hash` (a consistent-hash ring over the request's first 1,024 characters, walked on "
+        "past a daemon with over 1.25x the average load), or `--policy round_robin`.",
     ]
     for regime in results["regimes"]:
         fork = regime.get("fork", "auto")

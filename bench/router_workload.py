@@ -12,6 +12,9 @@ in turn and each from cold:
 * the same behind ``--policy manual --assignment-mode min_group`` (routing by the tenant's key: a new
   tenant goes to the daemon with the fewest tenants in flight, then stays there);
 * the same behind smg with ``--policy round_robin``;
+* with ``--policies ...,prefix_hash``, the same behind ``--policy prefix_hash`` (a consistent-hash ring
+  over the request's first 256 tokens, 1,024 characters of an untokenized request: its system prompt,
+  with bounded load);
 
 once for each per-daemon ``--cache-bytes`` in ``--cache-mib``. The first size is the question routing
 answers, a memory-bound fleet: each daemon has room for its third of the tenants' prefixes plus the KV
@@ -70,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fork-modes", default="auto",
                         help="the daemons' --fork; a comma-separated list (copy,auto) runs each size once per mode, "
                              "so a size's figures with and without reading stored prefixes in place come from one run")
+    parser.add_argument("--policies", default="cache_aware,tenant_key,round_robin",
+                        help=f"the fleet's runs, comma-separated, of {', '.join(FLEET_RUNS)} (round_robin is always run)")
     parser.add_argument("--fault-seconds", type=float, default=12.0, help="how long the killed daemon stays down")
     parser.add_argument("--no-fault", action="store_true", help="skip the kill-and-restart phase")
     parser.add_argument("--quick", action="store_true", help="3 tenants x 2 sessions, short prompts, a short fault")
@@ -78,21 +83,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.cache_mib = [int(size) for size in str(args.cache_mib).split(",")]
     args.fork_modes = [mode for mode in str(args.fork_modes).split(",") if mode]
+    args.policies = [key for key in str(args.policies).split(",") if key]
+    unknown = [key for key in args.policies if key not in FLEET_RUNS]
+    if unknown:
+        parser.error(f"--policies: unknown {', '.join(unknown)}; choose from {', '.join(FLEET_RUNS)}")
+    if "round_robin" not in args.policies:
+        args.policies.append("round_robin")  # the report's targets are ratios to it
     if args.quick:
         args.tenants, args.sessions, args.system_words, args.fault_seconds = 3, 2, 150, 6.0
         args.cache_mib = args.cache_mib[:1]
     return args
 
 
-# (name in the report, smg's --policy); the first runs on one daemon with all the memory.
-RUNS = (("one daemon", "cache_aware"), ("cache_aware", "cache_aware"), ("tenant key", "manual"),
-        ("round_robin", "round_robin"))
+# --policies: the fleet's runs, as (name in the report, smg's --policy); round_robin is the baseline, always run.
+FLEET_RUNS = {"cache_aware": ("cache_aware", "cache_aware"), "tenant_key": ("tenant key", "manual"),
+              "prefix_hash": ("prefix_hash", "prefix_hash"), "round_robin": ("round_robin", "round_robin")}
+# First, one daemon with all the memory behind the router.
+SINGLE_RUN = ("one daemon", "cache_aware")
 
 
 def run_policies(args: argparse.Namespace, workdir: Path, cache_mib: int, fork: str,
                  records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One daemon with all the memory, then the fleet under each policy of RUNS, every daemon with ``--fork fork``."""
-    (single_name, single_policy), *fleet_runs = RUNS
+    """One daemon with all the memory, then the fleet under each of ``--policies``, every daemon with ``--fork fork``."""
+    single_name, single_policy = SINGLE_RUN
+    fleet_runs = [FLEET_RUNS[key] for key in args.policies]
     return {"cache_mib_each": cache_mib, "fork": fork, "runs": [
         run_policy(args, workdir, single_name, 1, single_policy, cache_mib * args.daemons, fork, records),
         *(run_policy(args, workdir, name, args.daemons, policy, cache_mib, fork, records)
