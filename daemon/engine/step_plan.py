@@ -40,8 +40,8 @@ class PrefillPass:
     No stops: nothing to feed (the store held all but the last token).
     ``samples_first``: the prompt is done after this pass; sample the first
     answer token from its last logits. ``stores``: hand what the pass computed
-    to the prefix store now; False keeps its stops as labels for the next pass
-    that stores (Scheduler._stores_pass).
+    to the prefix store now; False: the next pass that stores takes it along,
+    in one segment without these stops (Scheduler._stores_pass).
     """
 
     seq: SequenceState
