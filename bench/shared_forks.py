@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Sessions on one stored system prompt, with forks that copy it (--fork copy) and forks that read it in place (share).
 
-    .venv/bin/python bench/shared_forks.py [--model DIR] [--sessions 1,4,8] [--words 2400] [--max-tokens 32] [--json OUT]
+    .venv/bin/python bench/shared_forks.py [--model DIR] [--sessions 1,4,8] [--words 2400] [--max-tokens 32]
+                                           [--distinct] [--json OUT]
 
 For each mode a daemon is started, the system prompt is stored by one request,
 then N sessions (one connection each) send it with a question of their own at
-once, greedy. Printed per mode and N: time to first token (p50 / worst),
+once, greedy. ``--distinct``: nothing is stored first and every session sends a
+system prompt of its own, new to the daemon (cold prompts that are stored and
+then decode together: prefill.read_prompt_in_place). Printed per mode and N: time to first token (p50 / worst),
 aggregate decode tokens/s, the most KV the scheduler reserved for running
 requests and the most memory MLX held (sampled from ``stats`` every 50 ms,
 above what it held before the sessions), and whether every answer is the
@@ -34,8 +37,8 @@ WORDS = "river stone cloud garden lamp window copper violet harbor meadow pencil
 QUESTIONS = ["the first", "the second", "the last", "every", "a red", "no", "two", "the longest"]
 
 
-def system_prompt(num_words: int) -> str:
-    rng = random.Random(7)
+def system_prompt(num_words: int, seed: int = 7) -> str:
+    rng = random.Random(seed)
     return "You keep this inventory. " + " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
@@ -65,7 +68,9 @@ class MemorySampler:
         self._thread.join()
 
 
-def sessions_at_once(socket_path: Path, system: str, num_sessions: int, max_tokens: int) -> dict:
+def sessions_at_once(socket_path: Path, systems: list[str], max_tokens: int) -> dict:
+    """One session per system prompt in ``systems``, all at once."""
+    num_sessions = len(systems)
     results: list[dict] = [None] * num_sessions
     barrier = threading.Barrier(num_sessions)
 
@@ -75,7 +80,7 @@ def sessions_at_once(socket_path: Path, system: str, num_sessions: int, max_toke
             question = f"How many items are on {QUESTIONS[index % len(QUESTIONS)]} shelf, session {index}?"
             results[index] = timed_generate(
                 conn,
-                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+                messages=[{"role": "system", "content": systems[index]}, {"role": "user", "content": question}],
                 max_tokens=max_tokens,
                 temperature=0,
             )
@@ -107,15 +112,20 @@ def decode_cell(tok_s: float | None) -> str:
     return "no tokens" if tok_s is None else f"{tok_s:.1f}"
 
 
-def run_mode(model: Path, mode: str, system: str, sessions: list[int], max_tokens: int) -> list[dict]:
+def run_mode(model: Path, mode: str, words: int, sessions: list[int], max_tokens: int, distinct: bool) -> list[dict]:
     rows = []
+    system = system_prompt(words)
     with tempfile.TemporaryDirectory() as workdir, Daemon(model, Path(workdir), ["--fork", mode]) as daemon:
         with connect(daemon.socket_path) as conn:
             fork = conn.models()
-            timed_generate(conn, messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
-                           max_tokens=1, temperature=0)  # stores the system prompt
+            if not distinct:
+                timed_generate(conn, messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+                               max_tokens=1, temperature=0)  # stores the system prompt
         for num_sessions in sessions:
-            row = sessions_at_once(daemon.socket_path, system, num_sessions, max_tokens)
+            # Distinct: prompts no earlier round sent (seeded by round and session, so every mode sends the same).
+            systems = ([system_prompt(words, seed=1000 * num_sessions + i) for i in range(num_sessions)] if distinct
+                       else [system] * num_sessions)
+            row = sessions_at_once(daemon.socket_path, systems, max_tokens)
             row["mode"] = mode
             rows.append(row)
         rows[0]["models"] = fork
@@ -129,16 +139,18 @@ def main() -> int:
     parser.add_argument("--words", type=int, default=2400, help="system prompt length in words (~1.2 tokens each)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", default="copy,share,copy,share", help="run in this order (alternate to see the spread)")
+    parser.add_argument("--distinct", action="store_true", help="a cold system prompt of its own per session")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    system = system_prompt(args.words)
     sessions = [int(n) for n in args.sessions.split(",")]
     all_rows = []
-    print(f"model {args.model.name}; system prompt {args.words} words; {args.max_tokens} tokens per answer, greedy")
+    shared = "a cold one of its own per session" if args.distinct else "one, stored first"
+    print(f"model {args.model.name}; system prompt {args.words} words ({shared}); "
+          f"{args.max_tokens} tokens per answer, greedy")
     print(f"{'mode':>5} {'N':>2} {'prompt':>6} {'TTFT p50':>9} {'worst':>7} {'decode tok/s':>12} {'reserved MiB':>12} "
           f"{'MLX above MiB':>13} {'wall s':>6}")
     for mode in args.modes.split(","):
-        for row in run_mode(args.model, mode, system, sessions, args.max_tokens):
+        for row in run_mode(args.model, mode, args.words, sessions, args.max_tokens, args.distinct):
             all_rows.append(row)
             print(f"{row['mode']:>5} {row['sessions']:>2} {row['prompt_tokens']:>6} {row['ttft_p50_ms']:>9.0f} "
                   f"{row['ttft_max_ms']:>7.0f} {decode_cell(row['decode_tok_s']):>12} {row['peak_reserved_mib']:>12.1f} "

@@ -161,6 +161,26 @@ class PrefixStore:
         self.budget.lock(node)
         return Lease(node)
 
+    def leased_segments(self, lease: Lease, length: int) -> tuple[Segment, ...] | None:
+        """The stored segments covering exactly tokens [0, length) of what ``lease`` holds, root first.
+
+        None when no node on the leased path ends at ``length`` (that would take
+        a split, which copies) or the lease holds less. For a sequence whose
+        prompt was just stored: it may read it from here instead of keeping a
+        copy of its own. Counts no lookup and touches nothing.
+        """
+        if lease.released:
+            raise ValueError("the lease was released")
+        path = []
+        node = lease.node
+        while node is not None and node.parent is not None:  # the root has no parent and no segment
+            path.append(node)
+            node = node.parent
+        covering = [node for node in reversed(path) if node.depth <= length]
+        if length <= 0 or not covering or covering[-1].depth != length:
+            return None
+        return tuple(node.segment for node in covering)
+
     def release(self, lease: Lease) -> None:
         """Unlock what a match locked. Releasing twice is a bug and raises."""
         if lease.released:

@@ -21,7 +21,7 @@ from ..kv.fork import capture_snapshot
 from .batch_decoder import BatchDecoder, sample_first
 from .faults import fault_point
 from .jobs import internal_error
-from .prefill import last_token_logits, prefill_step, start_prefill, store_progress
+from .prefill import last_token_logits, prefill_step, read_prompt_in_place, start_prefill, store_progress
 from .sequence_state import SequenceState
 from .ssm_answers import store_replayed_answer
 from .step_plan import Finish, Join, Prefilled, PrefillPass, StartPrefill, StepPlan, StepResult
@@ -69,6 +69,8 @@ class ModelRunner:
             if logits is None:
                 logits = last_token_logits(seq)
             token = sample_first(seq, logits)
+            if not seq.job.warm_only:
+                read_prompt_in_place(seq, self.store)
         result.prefilled.append(Prefilled(seq, token, logits))
 
     # -- decode batches ------------------------------------------------------------------------

@@ -17,7 +17,14 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache import CacheReport, PrefixStore
-from ..kv.fork import can_capture, capture_segment, capture_snapshot, evaluate_fork, fork_cache
+from ..kv.fork import (
+    can_capture,
+    capture_segment,
+    capture_snapshot,
+    evaluate_fork,
+    fork_cache,
+    read_stored_prefix_in_place,
+)
 from ..kv.segments import segments_source
 from ..kv.shared_prefix_cache import tokens_read_in_store
 from ..models.loaded_model import LoadedModel
@@ -128,7 +135,7 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
     )
     # A split head (copied_tail_tokens) is this sequence's own copy even when read in place.
     seq.reused_in_store = max(0, tokens_read_in_store(seq.cache) - (match.copied_tail_tokens if match else 0))
-    seq.report.in_place_tokens = seq.reused_in_store
+    seq.report.in_place_tokens = seq.reads_in_store = seq.reused_in_store
     seq.position = seq.stored_upto = seq.reused
     seq.plan = plan_prefill(seq.reused, len(seq.tokens) - 1, chunk_size, seq.prompt)
     seq.prefill_started_at = started
@@ -241,6 +248,33 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, work: PrefillPas
         seq.checkpoints[stop] = (kind, capture_snapshot(seq.cache, layout) if stop == seq.position else None)
     store_progress(seq, store, seq.cache, seq.tokens[:depth])
     return last
+
+
+def read_prompt_in_place(seq: SequenceState, store: PrefixStore | None) -> int:
+    """Once its prompt is stored, a sequence may read it from the store and give its own copy back.
+
+    Its lease holds what it stored, so the store's copy stays while it runs;
+    the live cache's copy of those positions goes (kv.fork.read_stored_prefix_in_place),
+    and the scheduler reserves only what follows. Only on a layout that shares
+    forks, and only when the store is short of room (less free than that copy):
+    rows reading distinct prompts in place attend per row in the decode batch,
+    1.35x a step's time at 4 rows and 1.46x at 8 on this CPU
+    (bench/probes/read_in_place_probe.py), so with room to spare the copy stays.
+    Returns the positions it reads from the store now (``seq.reads_in_store``).
+    """
+    layout = seq.loaded.layout
+    depth = seq.stored_upto
+    if store is None or seq.lease is None or not layout.shares_forks or depth <= seq.reads_in_store:
+        return seq.reads_in_store
+    if store.free_bytes >= (depth - seq.reads_in_store) * seq.loaded.kv_bytes_per_token:
+        return seq.reads_in_store
+    segments = store.leased_segments(seq.lease, depth)
+    if segments is None:
+        return seq.reads_in_store
+    in_store = read_stored_prefix_in_place(seq.cache, layout, list(segments), depth)
+    if in_store:
+        seq.reads_in_store = in_store
+    return seq.reads_in_store
 
 
 def last_token_logits(seq: SequenceState) -> mx.array:

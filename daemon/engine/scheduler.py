@@ -478,7 +478,11 @@ class Scheduler:
             return
         if seq.plan:
             self._prefill_turns.append(seq)
-        elif seq.job.warm_only:
+            return
+        if seq.reads_in_store != seq.reused_in_store:
+            # Its stored prompt is now read in place (prefill.read_prompt_in_place): the store gets the room back.
+            self.kv_budget.reserve_running(self._running_bytes())
+        if seq.job.warm_only:
             self._finish(seq, None, FINISH_STOP)
         else:
             self._start_answer(seq, done.token, done.logits)
@@ -629,10 +633,13 @@ KV_GROWTH_STEP_TOKENS = 256
 
 
 def _reserved_tokens(seq: SequenceState) -> int:
-    """What its cache can grow to; a shared fork's reused part is the store's (leased, counted there)."""
+    """What its cache can grow to; what it reads in place (a shared fork's hit, its stored prompt) is the store's.
+
+    That part is leased while it runs, and counted once, in the store.
+    """
     new_tokens = 0 if seq.job.warm_only else seq.max_new_tokens
     # A model with window layers copies their windows in every fork: it reserves the whole prefix.
-    in_store = 0 if seq.loaded.layout.window_layers else seq.reused_in_store
+    in_store = 0 if seq.loaded.layout.window_layers else seq.reads_in_store
     return len(seq.tokens) - in_store + new_tokens + KV_GROWTH_STEP_TOKENS
 
 

@@ -58,6 +58,9 @@ class SequenceState:
     cache: list[Any] | None = None  # the live cache while prefilling
     reused: int = 0
     reused_in_store: int = 0  # of reused, the tokens its fork reads from the store's arrays (shared_prefix_cache.py)
+    # The positions its live cache reads from the store's arrays, so reserves none of: its fork's, or its
+    # whole stored prompt once read in place (prefill.read_prompt_in_place).
+    reads_in_store: int = 0
     position: int = 0  # tokens fed into the cache so far
     stored_upto: int = 0  # tokens of this sequence the store already holds
     plan: list[tuple[int, str]] = field(default_factory=list)  # remaining (depth, kind) prefill stops

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..cuda import on_cuda
 from .layout import CacheLayout
@@ -209,6 +209,49 @@ def fork_cache(
         layer_cache.offset = length
     _restore_states(cache, layout, snapshot)
     return cache
+
+
+def read_stored_prefix_in_place(cache: list[Any], layout: CacheLayout, segments: list[KVSegment], length: int) -> int:
+    """Swap a live cache's own copy of its first ``length`` positions for the store's arrays of them.
+
+    Why: a prompt computed here (cold, or after a hit that copied) is stored
+    as copies, leased while its sequence runs, so until the answer ends its
+    KV is held twice: once in the store, once in the live cache. On a layout
+    that shares forks the live cache then reads the stored segments in place,
+    as a shared fork would, and keeps only the positions after ``length`` (the
+    last prompt token, then the answer). In mlx-lm's decode batch the rows'
+    own positions are what is padded, so a long cold row no longer pads every
+    other row to its length either. Global attention layers only: windows and
+    state layers stay as they are. Returns how many positions it now reads
+    from the store's own arrays (0: the cache was left as it was).
+    """
+    full = [i for i in layout.attention_layers if i not in set(layout.window_layers)]
+    if not layout.shares_forks or layout.kv_bits or not full or length <= 0:
+        return 0
+    if sum(s.num_tokens for s in segments) != length:
+        raise ValueError("the segments must cover the prefix exactly")
+    if any(type(cache[i]) is not KVCache or cache[i].keys is None or cache[i].offset < length for i in full):
+        return 0  # a shared fork already, or a cache that does not hold the prefix
+    groups = _shared_groups(segments)
+    if groups is None:
+        return 0
+    in_store = sum(group[0].num_tokens for group in groups if len(group) == 1)
+    if not in_store:
+        return 0  # only short pieces: reading them would mean copies of their own
+    for position, layer_index in enumerate(layout.attention_layers):
+        if layer_index not in full:
+            continue
+        own = cache[layer_index]
+        shared = SharedPrefixKVCache(
+            [_joined([s.keys[position] for s in group]) for group in groups],
+            [_joined([s.values[position] for s in group]) for group in groups],
+            in_store,
+        )
+        if own.offset > length:
+            shared.update_and_fetch(own.keys[..., length : own.offset, :], own.values[..., length : own.offset, :])
+        cache[layer_index] = shared
+    mx.eval([cache[i].state for i in full])  # the own positions copied out, so the old buffers can go now
+    return in_store
 
 
 def _restore_states(cache: list[Any], layout: CacheLayout, snapshot: StateSnapshot | None) -> None:

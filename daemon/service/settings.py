@@ -291,7 +291,8 @@ SETTINGS: dict[str, Setting] = {
             SCHEDULING,
             "how a cache hit of 1,024 tokens or more reaches its passes: share reads the stored segments in place "
             "(float32 models without --kv-bits, checked at load): a running request then holds and reserves only "
-            "its own tokens; copy copies them into a fresh cache first",
+            "its own tokens, and when the store is short of room a prompt computed here reads its stored copy "
+            "in place once stored; copy copies them into a fresh cache first",
             default="auto",
             note="share on a CPU, copy on a GPU",
         ),

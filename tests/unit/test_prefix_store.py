@@ -549,3 +549,46 @@ def test_without_a_lease_that_chunk_would_have_gone(clock):
     clock.now += 1
     put(store, [500 + i for i in range(31)])
     assert lookup(store, list(range(30)), max_length=10).length == 0
+
+
+# ----- what a lease holds, for a sequence that reads its stored prompt in place -----
+
+def test_leased_segments_cover_what_a_prefill_stored(store):
+    put(store, A[:10])  # the prompt's first chunk
+    put(store, A[:20], start=10)  # its second
+    lease = store.lease("m", A[:20])
+    lookups_before = store.stats().total
+    segments = store.leased_segments(lease, 20)
+    assert [t for s in segments for t in s.token_ids] == A[:20]
+    assert store.stats().total == lookups_before  # no lookup counted
+    assert segments[0] is lookup_segments(store, A[:10])[0]  # the store's own arrays, not copies
+    assert [t for s in store.leased_segments(lease, 10) for t in s.token_ids] == A[:10]
+    store.release(lease)
+
+
+def lookup_segments(store, tokens):
+    match = store.match("m", tokens, max_length=len(tokens))
+    store.release(match.lease)
+    return match.segments
+
+
+def test_leased_segments_refuse_a_length_inside_an_edge_or_past_the_lease(store):
+    put(store, A[:20])
+    lease = store.lease("m", A[:20])
+    assert store.leased_segments(lease, 15) is None  # would take a split (a copy)
+    assert store.leased_segments(lease, 25) is None  # more than the lease holds
+    assert store.leased_segments(lease, 0) is None
+    store.release(lease)
+    with pytest.raises(ValueError):
+        store.leased_segments(lease, 20)
+
+
+def test_leased_segments_follow_a_split_of_the_leased_edge(store):
+    put(store, A[:20])
+    lease = store.lease("m", A[:20])
+    put(store, A[:12] + [900, 901])  # splits the edge at 12 while the lease is held
+    segments = store.leased_segments(lease, 20)
+    assert [s.num_tokens for s in segments] == [12, 8]
+    assert [t for s in segments for t in s.token_ids] == A[:20]
+    assert [t for s in store.leased_segments(lease, 12) for t in s.token_ids] == A[:12]
+    store.release(lease)
