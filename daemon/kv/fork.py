@@ -181,11 +181,7 @@ def fork_cache(
         # What the store holds itself; a joined run is this fork's own copy.
         in_store = sum(group[0].num_tokens for group in groups if len(group) == 1)
         for position, layer_index in full:
-            cache[layer_index] = SharedPrefixKVCache(
-                [_joined([s.keys[position] for s in group]) for group in groups],
-                [_joined([s.values[position] for s in group]) for group in groups],
-                in_store,
-            )
+            cache[layer_index] = _shared_layer(groups, position, in_store)
         _restore_states(cache, layout, snapshot)
         return cache
     # Per global layer, the arrays its live cache holds, each as one piece per segment (_layer_pieces).
@@ -225,7 +221,8 @@ def read_stored_prefix_in_place(cache: list[Any], layout: CacheLayout, segments:
     state layers stay as they are. Returns how many positions it now reads
     from the store's own arrays (0: the cache was left as it was).
     """
-    full = [i for i in layout.attention_layers if i not in set(layout.window_layers)]
+    windows = set(layout.window_layers)
+    full = [i for i in layout.attention_layers if i not in windows]
     if not layout.shares_forks or layout.kv_bits or not full or length <= 0:
         return 0
     if sum(s.num_tokens for s in segments) != length:
@@ -242,11 +239,7 @@ def read_stored_prefix_in_place(cache: list[Any], layout: CacheLayout, segments:
         if layer_index not in full:
             continue
         own = cache[layer_index]
-        shared = SharedPrefixKVCache(
-            [_joined([s.keys[position] for s in group]) for group in groups],
-            [_joined([s.values[position] for s in group]) for group in groups],
-            in_store,
-        )
+        shared = _shared_layer(groups, position, in_store)
         if own.offset > length:
             shared.update_and_fetch(own.keys[..., length : own.offset, :], own.values[..., length : own.offset, :])
         cache[layer_index] = shared
@@ -271,6 +264,15 @@ def _shared_groups(segments: list[KVSegment]) -> list[list[KVSegment]] | None:
             groups.append([segment])
     most = max(MAX_SHARED_PIECES, sum(s.num_tokens for s in segments) // LONG_SHARED_PIECE_TOKENS)
     return groups if len(groups) <= most else None
+
+
+def _shared_layer(groups: list[list[KVSegment]], position: int, in_store: int) -> SharedPrefixKVCache:
+    """Attention layer ``position``'s live cache over the stored pieces (_shared_groups), read in place."""
+    return SharedPrefixKVCache(
+        [_joined([s.keys[position] for s in group]) for group in groups],
+        [_joined([s.values[position] for s in group]) for group in groups],
+        in_store,
+    )
 
 
 def _joined(pieces: list[mx.array]) -> mx.array:
