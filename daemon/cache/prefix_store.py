@@ -28,6 +28,7 @@ from .radix_tree import (
     Node,
     check_edges,
     check_payload,
+    depth_payload_nbytes,
     descendants,
     longest_head,
     require,
@@ -43,6 +44,7 @@ from .store_types import (  # noqa: F401 (re-exported for callers)
     Segment,
     Snapshot,
     Checkpoints,
+    NextTokenLogits,
     PrefixStoreError,
     NotStored,
     PinBudgetExceeded,
@@ -107,7 +109,14 @@ class PrefixStore:
 
     # ----- lookup -----
 
-    def match(self, namespace: str, tokens, max_length: int | None = None, requires_snapshot: bool = False) -> Match:
+    def match(
+        self,
+        namespace: str,
+        tokens,
+        max_length: int | None = None,
+        requires_snapshot: bool = False,
+        whole_with_logits: bool = False,
+    ) -> Match:
         """The longest usable stored prefix of tokens, at most max_length long.
 
         max_length defaults to len(tokens) - 1: one token must always be run.
@@ -119,12 +128,27 @@ class PrefixStore:
         matched_tokens), "no-checkpoint" (hybrid: agreement went past the
         deepest snapshot), "max-length" (the cap). The used nodes stay locked
         until release(match.lease).
+
+        With whole_with_logits, all of tokens is usable, past max_length, where
+        a node ends exactly at their end and keeps next-token logits
+        (attach_logits; and a snapshot if required): an exact repeat of a
+        prompt, whose first answer token needs no pass. ``match.logits`` holds them.
         """
         tokens = tuple(tokens)
         max_length = max(0, min(len(tokens) - 1 if max_length is None else max_length, len(tokens)))
         ns = self._namespace(namespace)
         path, matched = walk(ns.root, tokens)
-        length, used = self._usable(path, min(max_length, matched), requires_snapshot)
+        end = path[-1] if path and matched == len(tokens) == path[-1].depth else None
+        with_logits = (
+            whole_with_logits
+            and end is not None
+            and end.next_logits is not None
+            and (end.snapshot is not None or not requires_snapshot)
+        )
+        if with_logits:
+            length, used = len(tokens), path
+        else:
+            length, used = self._usable(path, min(max_length, matched), requires_snapshot)
         now = self._clock()
         for node in used:
             node.last_access = now
@@ -146,6 +170,7 @@ class PrefixStore:
             reason=reason,
             lease=Lease(last),
             copied_tail_tokens=length - last.start_depth if last is not None and last.depth > length else 0,
+            logits=end.next_logits if with_logits else None,
         )
 
     def lease(self, namespace: str, tokens) -> Lease:
@@ -181,6 +206,36 @@ class PrefixStore:
             return None
         return tuple(node.segment for node in covering)
 
+    def attach_logits(self, namespace: str, tokens, logits: NextTokenLogits) -> bool:
+        """Keep the model's logits for the token after ``tokens`` at the node ending exactly there.
+
+        For a prompt just stored in full: an exact repeat then samples its
+        first token from them (match's whole_with_logits). A node keeps the
+        logits it has. Evicts to make room; False when nothing was attached
+        (not stored, no node ends there, no room, or a pinned path's budget).
+        """
+        ns = self._namespaces.get(namespace)
+        tokens = tuple(tokens)
+        path, matched = walk(ns.root, tokens) if ns is not None else ([], 0)
+        if not tokens or matched != len(tokens) or path[-1].depth != len(tokens):
+            return False
+        node = path[-1]
+        if node.next_logits is not None:
+            return True
+        if node.pin_count and not self.budget.can_pin(logits.nbytes):
+            return False
+        self.budget.lock(node)  # making room must not evict the node itself
+        try:
+            has_room = self.budget.make_room(logits.nbytes, 0)
+        finally:
+            self.budget.unlock(node)
+        if not has_room:
+            return False
+        node.next_logits = logits
+        self.budget.resize(node, node.nbytes + logits.nbytes)
+        self.budget.reconsider(node)  # its size, hence its eviction key, changed
+        return True
+
     def release(self, lease: Lease) -> None:
         """Unlock what a match locked. Releasing twice is a bug and raises."""
         if lease.released:
@@ -209,7 +264,7 @@ class PrefixStore:
     def _classify(
         ns: _Namespace, num_tokens: int, length: int, matched: int, max_length: int, path: list[Node]
     ) -> tuple[HitKind, MissReason | None]:
-        if length > 0 and length == max_length >= num_tokens - 1:
+        if length > 0 and (length == num_tokens or length == max_length >= num_tokens - 1):
             return "exact", None
         hit: HitKind = "partial" if length > 0 else "miss"
         if not ns.root.children:
@@ -473,7 +528,7 @@ class PrefixStore:
         node.parent, node.key, node.segment = upper, node.key[n:], tail
         self.budget.count_node(upper, +1)
         self.budget.resize(upper, head.nbytes)
-        self.budget.resize(node, tail.nbytes + snapshot_nbytes(node.snapshot))
+        self.budget.resize(node, tail.nbytes + depth_payload_nbytes(node))
         self.budget.reconsider(node)  # its size and start, hence its key, changed
         return upper
 
@@ -513,7 +568,7 @@ class PrefixStore:
                 node.kind,
                 node.segment,
                 node.snapshot,
-                node.nbytes,
+                node.segment.nbytes + snapshot_nbytes(node.snapshot),
                 node.last_access,
             )
             stack.extend((child, id(node)) for child in node.children.values())

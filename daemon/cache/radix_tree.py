@@ -35,6 +35,7 @@ class Node:
         "key",
         "segment",
         "snapshot",
+        "next_logits",
         "kind",
         "children",
         "depth",
@@ -52,10 +53,11 @@ class Node:
         self.key = key  # the edge's token ids; children are keyed by key[0]
         self.segment = segment  # attention KV of exactly the edge's tokens
         self.snapshot: Any = None
+        self.next_logits: Any = None  # NextTokenLogits where a prompt ended here (PrefixStore.attach_logits)
         self.kind: str | None = None  # checkpoint kind at this depth, if any
         self.children: dict[int, Node] = {}
         self.depth = (parent.depth if parent else 0) + len(key)  # tokens from the root
-        self.nbytes = 0  # segment + snapshot bytes, kept in step with the ledgers
+        self.nbytes = 0  # segment + snapshot + next-token logits bytes, kept in step with the ledgers
         self.lock_count = 0
         self.pin_count = 0
         self.stored_at = now
@@ -73,6 +75,11 @@ class Node:
 
 def snapshot_nbytes(snapshot: Snapshot | None) -> int:
     return snapshot.nbytes if snapshot is not None else 0
+
+
+def depth_payload_nbytes(node: Node) -> int:
+    """What a node holds for its depth rather than its edge: the snapshot and the next-token logits."""
+    return snapshot_nbytes(node.snapshot) + (node.next_logits.nbytes if node.next_logits is not None else 0)
 
 
 def longest_head(segment: Segment, max_bytes: int) -> Segment | None:
@@ -148,7 +155,7 @@ def check_payload(node: Node, name: str) -> None:
         f"{where}: segment holds {node.segment.num_tokens} tokens, edge {len(node.key)}",
     )
     require(
-        node.nbytes == node.segment.nbytes + snapshot_nbytes(node.snapshot),
+        node.nbytes == node.segment.nbytes + depth_payload_nbytes(node),
         f"{where}: {node.nbytes} bytes recorded, payload has other",
     )
     require(

@@ -39,6 +39,15 @@ class Snapshot(Protocol):
     def nbytes(self) -> int: ...
 
 
+class NextTokenLogits(Protocol):
+    """The model's logits for the token after one depth: kept where a prompt
+    ended, so that an exact repeat of it samples its first answer token
+    without running anything."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 Checkpoints = dict[int, tuple[str, "Snapshot | None"]]  # depth -> (kind, snapshot)
 
 
@@ -79,6 +88,7 @@ class Match:
     reason: MissReason | None  # why not exact
     lease: Lease
     copied_tail_tokens: int = 0  # the last segment is a copy of part of a stored one, made for this match
+    logits: NextTokenLogits | None = None  # at length == len(tokens): the whole prompt is stored with them
 
 
 class InsertResult(NamedTuple):
@@ -132,7 +142,7 @@ class StoredEdge(NamedTuple):
     kind: str | None  # checkpoint kind at the edge's end
     segment: Segment
     snapshot: Snapshot | None
-    nbytes: int
+    nbytes: int  # segment + snapshot: what export writes (next-token logits are never written)
     last_access: float
 
     @property

@@ -21,7 +21,14 @@ from ..kv.fork import capture_snapshot
 from .batch_decoder import BatchDecoder, sample_first
 from .faults import fault_point
 from .jobs import internal_error
-from .prefill import last_token_logits, prefill_step, read_prompt_in_place, start_prefill, store_progress
+from .prefill import (
+    last_token_logits,
+    prefill_step,
+    read_prompt_in_place,
+    start_prefill,
+    store_progress,
+    store_prompt_end,
+)
 from .sequence_state import SequenceState
 from .ssm_answers import store_replayed_answer
 from .step_plan import Finish, Join, Prefilled, PrefillPass, StartPrefill, StepPlan, StepResult
@@ -60,15 +67,20 @@ class ModelRunner:
         result.started.append(start)
 
     def _prefill(self, work: PrefillPass, result: StepResult) -> None:
-        """The pass; then, for a prompt that is done, its first token (no second pass on an attention model)."""
+        """The pass; then, for a prompt that is done, its first token (no second pass on an attention model).
+
+        An exact repeat whose stored prompt kept its logits runs nothing: its
+        first token comes from them (prefill.store_prompt_end).
+        """
         seq = work.seq
         logits = prefill_step(seq, self.store, work) if work.stops else None
         token = None
         if work.samples_first:
             fault_point("first_token")
             if logits is None:
-                logits = last_token_logits(seq)
+                logits = seq.stored_logits if seq.stored_logits is not None else last_token_logits(seq)
             token = sample_first(seq, logits)
+            store_prompt_end(seq, self.store, logits)
             if not seq.job.warm_only:
                 read_prompt_in_place(seq, self.store)
         result.prefilled.append(Prefilled(seq, token, logits))

@@ -119,13 +119,18 @@ def start_prefill(seq: SequenceState, store: PrefixStore | None, chunk_size: int
         seq.report.turn_off("disabled")
     else:
         match = store.match(
-            loaded.fingerprint, seq.tokens, max_length=len(seq.tokens) - 1, requires_snapshot=loaded.layout.is_hybrid
+            loaded.fingerprint,
+            seq.tokens,
+            max_length=len(seq.tokens) - 1,
+            requires_snapshot=loaded.layout.is_hybrid,
+            whole_with_logits=True,
         )
         seq.report.record_match(match, seq.prompt, loaded.prefill_tokens_per_s)
         if match.length:
             seq.report.source = segments_source(match.segments)
         seq.lease = match.lease
     seq.reused = match.length if match is not None else 0
+    seq.stored_logits = match.logits if match is not None else None
     seq.cache = fork_cache(
         loaded.model,
         loaded.layout,
@@ -263,7 +268,9 @@ def read_prompt_in_place(seq: SequenceState, store: PrefixStore | None) -> int:
     Returns the positions it reads from the store now (``seq.reads_in_store``).
     """
     layout = seq.loaded.layout
-    depth = seq.stored_upto
+    # Not the prompt's last token (store_prompt_end stored it alone): joined with a short segment before
+    # it, it would make the fork copy both (kv.fork joins runs of short segments into one copy).
+    depth = min(seq.stored_upto, len(seq.tokens) - 1)
     if store is None or seq.lease is None or not layout.shares_forks or depth <= seq.reads_in_store:
         return seq.reads_in_store
     if store.free_bytes >= (depth - seq.reads_in_store) * seq.loaded.kv_bytes_per_token:
@@ -275,6 +282,29 @@ def read_prompt_in_place(seq: SequenceState, store: PrefixStore | None) -> int:
     if in_store:
         seq.reads_in_store = in_store
     return seq.reads_in_store
+
+
+def store_prompt_end(seq: SequenceState, store: PrefixStore | None, logits: mx.array) -> None:
+    """Store the prompt's last token and the logits it gave, once the cache holds exactly the prompt.
+
+    The plan stores the prompt up to its last token (the exact-hit
+    checkpoint, where a prompt differing only there can resume); this adds
+    that token's KV and, at the node ending the prompt, its logits
+    (PrefixStore.attach_logits). An exact repeat then samples its first
+    token from them: no pass before it at all, where it ran one token over
+    the whole context (on a GPU at 32k tokens, the fork's copy and that
+    forward were 2.0-2.3x the in-process floor). The logits cost a few
+    tokens' KV (vocabulary x dtype) and come from this very computation, so
+    the repeat's first token is the cold one's.
+    """
+    tokens = seq.tokens
+    if store is None or seq.position != len(tokens) or seq.stored_upto >= len(tokens):
+        return
+    seq.checkpoints[len(tokens)] = ("prompt-end", capture_snapshot(seq.cache, seq.loaded.layout))
+    store_progress(seq, store, seq.cache, tokens)
+    if seq.stored_upto == len(tokens):
+        # A copy: ``logits`` may be a view of the whole pass's logits (tokens x vocabulary).
+        store.attach_logits(seq.loaded.fingerprint, tokens, mx.array(logits))
 
 
 def last_token_logits(seq: SequenceState) -> mx.array:

@@ -415,7 +415,7 @@ class Scheduler:
             unstored = seq.position > seq.stored_upto and not seq.loaded.layout.is_hybrid
             return StepPlan(finishes=[Finish(seq, FINISH_CANCELLED, seq.cache if unstored else None)])
         generates = not seq.job.warm_only
-        if not seq.plan:  # the store held all but the last token
+        if not seq.plan:  # the store held all but the last token, or all of it with its logits
             return StepPlan(prefill=[PrefillPass(seq, (), seq.position, samples_first=generates)])
         hybrid = seq.loaded.layout.is_hybrid
         left = list(seq.plan)  # next_stops takes the pass's stops off this copy; the runner's pass, off seq.plan

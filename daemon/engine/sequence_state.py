@@ -57,6 +57,9 @@ class SequenceState:
     lease: Lease | None = None  # the store's lock on the reused prefix
     cache: list[Any] | None = None  # the live cache while prefilling
     reused: int = 0
+    # An exact repeat's stored next-token logits (PrefixStore.match's whole_with_logits): the first
+    # token is sampled from them, and nothing runs before it.
+    stored_logits: Any = None
     reused_in_store: int = 0  # of reused, the tokens its fork reads from the store's arrays (shared_prefix_cache.py)
     # The positions its live cache reads from the store's arrays, so reserves none of: its fork's, or its
     # whole stored prompt once read in place (prefill.read_prompt_in_place).

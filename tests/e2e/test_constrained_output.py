@@ -167,7 +167,7 @@ def test_a_repeated_constrained_prompt_hits_the_cache_with_the_same_answer(share
         second = generate(conn, **params)
     assert first["cache"]["hit"] == "miss" and first["cache"]["stored_tokens"] > 0
     assert second["cache"]["hit"] == "exact"
-    assert second["cache"]["reused_tokens"] == second["cache"]["prompt_tokens"] - 1
+    assert second["cache"]["reused_tokens"] == second["cache"]["prompt_tokens"]  # its first token from stored logits
     assert second["text"] == first["text"]
     check_person(json.loads(first["text"]))
 

@@ -108,9 +108,24 @@ def test_greedy_generation_is_the_same_with_and_without_the_cache(loaded):
     extended = run(loaded, store, tokens=tokens + tokens[:40], max_tokens=12)
     reference = run(loaded, store, tokens=tokens + tokens[:40], max_tokens=12, use=False)
     assert first["text"] == cold["text"] == repeat["text"]
-    assert repeat["cache"]["hit"] == "exact" and repeat["cache"]["prefilled_tokens"] == 1
+    # The first request stored its last token's logits: the repeat runs nothing before its first token.
+    assert repeat["cache"]["hit"] == "exact" and repeat["cache"]["prefilled_tokens"] == 0, repeat["cache"]
     assert extended["text"] == reference["text"]
     assert extended["cache"]["reused_tokens"] > 0
+    store.check_integrity()
+
+
+def test_a_prompt_differing_only_in_its_last_token_resumes_one_token_short(loaded):
+    tokens = prompt_tokens(loaded, 300)
+    store = make_store()
+    run(loaded, store, tokens=tokens, max_tokens=4)
+    other = tokens[:-1] + [tokens[-1] + 1]
+    cached = run(loaded, store, tokens=other, max_tokens=8)
+    reference = run(loaded, store, tokens=other, max_tokens=8, use=False)
+    assert cached["text"] == reference["text"]
+    assert cached["cache"]["prefilled_tokens"] == 1, cached["cache"]
+    again = run(loaded, store, tokens=other, max_tokens=8)  # and it kept its own logits
+    assert again["text"] == reference["text"] and again["cache"]["prefilled_tokens"] == 0, again["cache"]
 
 
 def test_stored_entry_is_unchanged_after_seeding_and_generating(loaded):

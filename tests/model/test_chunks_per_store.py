@@ -61,7 +61,7 @@ def test_an_attention_prompt_is_stored_every_few_chunks_and_answers_as_every_chu
     assert prompt_edges(every_fourth, llama, 600) == [(0, 256), (256, 512), (512, 599)]
     cold = run_inline([job(prompt + [7, 8], use=False)], llama, None, CHUNK)[0]
     exact = run_inline([job(prompt)], llama, every_fourth, CHUNK, chunks_per_store=PER_STORE)[0]
-    assert exact["text"] == one["text"] and exact["cache"]["reused_tokens"] == 599
+    assert exact["text"] == one["text"] and exact["cache"]["reused_tokens"] == 600  # and its stored logits
     # A hit inside a long segment reuses its head, and answers as a cold run does.
     longer = run_inline([job(prompt + [7, 8])], llama, every_fourth, CHUNK, chunks_per_store=PER_STORE)[0]
     assert longer["cache"]["reused_tokens"] == 600 and longer["text"] == cold["text"]

@@ -592,3 +592,70 @@ def test_leased_segments_follow_a_split_of_the_leased_edge(store):
     assert [t for s in segments for t in s.token_ids] == A[:20]
     assert [t for s in store.leased_segments(lease, 12) for t in s.token_ids] == A[:12]
     store.release(lease)
+
+
+# ----- next-token logits where a prompt ended -----
+
+
+class FakeLogits:
+    def __init__(self, name: str, nbytes: int = 7):
+        self.name = name
+        self.nbytes = nbytes
+
+
+def test_an_exact_repeat_with_logits_reuses_the_whole_prompt(store):
+    put(store, A[:10], checkpoints={10: ("prompt-end", None)})
+    before = store.stats().total.num_bytes
+    assert store.attach_logits("m", A[:10], FakeLogits("first"))
+    assert store.stats().total.num_bytes == before + 7  # charged to the budget
+    m = lookup(store, A[:10], whole_with_logits=True)
+    assert (m.hit, m.length, m.logits.name, m.reason) == ("exact", 10, "first", None)
+    assert covered(m) == A[:10]
+    plain = lookup(store, A[:10])  # a caller that cannot use them gets all but the last token, as before
+    assert (plain.length, plain.logits) == (9, None)
+    assert store.attach_logits("m", A[:10], FakeLogits("second"))  # a node keeps the logits it has
+    assert lookup(store, A[:10], whole_with_logits=True).logits.name == "first"
+
+
+def test_logits_are_used_only_by_a_prompt_ending_exactly_there(store):
+    put(store, A[:20])
+    assert not store.attach_logits("m", A[:10], FakeLogits("mid-edge"))  # no node ends at 10
+    assert not store.attach_logits("m", A[:25], FakeLogits("not stored"))
+    assert not store.attach_logits("other", A[:20], FakeLogits("no namespace"))
+    assert store.attach_logits("m", A[:20], FakeLogits("end"))
+    longer = lookup(store, A[:20] + [900], whole_with_logits=True)  # they are for the token after 20, not 900
+    assert (longer.length, longer.logits) == (20, None)
+    shorter = lookup(store, A[:19], whole_with_logits=True)
+    assert (shorter.length, shorter.logits) == (18, None)
+
+
+def test_logits_stay_with_their_depth_when_the_edge_splits_and_go_with_the_leaf(clock):
+    store = PrefixStore(max_bytes=10**4, max_nodes=100, max_pinned_bytes=100, clock=clock)
+    put(store, A[:10])
+    store.attach_logits("m", A[:10], FakeLogits("end"))
+    put(store, A[:4] + [900])  # splits the edge at 4
+    store.check_integrity()
+    assert lookup(store, A[:10], whole_with_logits=True).logits.name == "end"
+    assert [e.nbytes for e in store.edges("m") if e.depth == 10] == [6 * BPT]  # what export writes: no logits
+    store.evict(6 * BPT)  # the leaf holding them
+    store.check_integrity()
+    assert store.stats().total.num_bytes == 5 * BPT
+    assert lookup(store, A[:10], whole_with_logits=True).logits is None
+
+
+def test_logits_that_do_not_fit_are_not_attached(clock):
+    store = PrefixStore(max_bytes=10 * BPT + 3, max_nodes=100, max_pinned_bytes=100, clock=clock)
+    put(store, A[:10])
+    assert not store.attach_logits("m", A[:10], FakeLogits("big"))  # the node itself is never evicted for them
+    assert lookup(store, A[:10]).length == 9
+    store.check_integrity()
+
+
+def test_a_hybrid_exact_repeat_needs_a_snapshot_beside_the_logits(store):
+    put(store, A[:10], checkpoints={9: ("prompt-end", FakeSnapshot(9))})
+    store.attach_logits("m", A[:10], FakeLogits("end"))
+    m = lookup(store, A[:10], whole_with_logits=True, requires_snapshot=True)
+    assert (m.length, m.logits) == (9, None)
+    put(store, A[:10], checkpoints={10: ("prompt-end", FakeSnapshot(10))})
+    m = lookup(store, A[:10], whole_with_logits=True, requires_snapshot=True)
+    assert (m.length, m.logits.name, m.snapshot.depth) == (10, "end", 10)
