@@ -17,7 +17,7 @@ import structlog
 
 from ...protocol.errors import RpcError
 from ..cache import PrefixStore
-from ..kv.fork import capture_snapshot
+from ..kv.fork import capture_snapshot, start_fork_copy
 from .batch_decoder import BatchDecoder, sample_first
 from .faults import fault_point
 from .jobs import internal_error
@@ -80,6 +80,8 @@ class ModelRunner:
             if logits is None:
                 logits = seq.stored_logits if seq.stored_logits is not None else last_token_logits(seq)
             token = sample_first(seq, logits)
+            if seq.stored_logits is not None and seq.reused:
+                start_fork_copy(seq.cache)  # not before sampling: the token would wait for the copy
             store_prompt_end(seq, self.store, logits)
             if not seq.job.warm_only:
                 read_prompt_in_place(seq, self.store)

@@ -304,6 +304,16 @@ def _join_in_groups(parts: list[list[mx.array]]) -> list[list[mx.array]]:
     return parts
 
 
+def start_fork_copy(cache: list[Any]) -> None:
+    """Queue a fork's copy on its own (as evaluate_fork does) without waiting for it.
+
+    For an exact repeat whose first token came from stored logits: the copy
+    runs on the device while that token goes out, and the first decode step
+    finds it done or nearly so.
+    """
+    mx.async_eval([c.state for c in cache])
+
+
 def evaluate_fork(cache: list[Any]) -> None:
     """Run a fork's copy now, on its own, rather than lazily with the first forward pass.
 
