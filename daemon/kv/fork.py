@@ -178,10 +178,17 @@ def fork_cache(
     shares = layout.shares_forks and quant is None and length >= shortest
     groups = _shared_groups(segments) if shares else None
     if groups is not None:
+        # A short last piece (the prompt's last token, stored alone with its logits: prefill.store_prompt_end)
+        # goes into the fork's own buffer: as a piece of its own it would cost every step a matmul pair per layer.
+        tail = groups.pop() if len(groups) > 1 and _tokens(groups[-1]) < SHARED_PIECE_MIN_TOKENS else []
         # What the store holds itself; a joined run is this fork's own copy.
         in_store = sum(group[0].num_tokens for group in groups if len(group) == 1)
         for position, layer_index in full:
-            cache[layer_index] = _shared_layer(groups, position, in_store)
+            layer = cache[layer_index] = _shared_layer(groups, position, in_store)
+            if tail:
+                layer.update_and_fetch(
+                    _joined([s.keys[position] for s in tail]), _joined([s.values[position] for s in tail])
+                )
         _restore_states(cache, layout, snapshot)
         return cache
     # Per global layer, the arrays its live cache holds, each as one piece per segment (_layer_pieces).
@@ -251,6 +258,10 @@ def _restore_states(cache: list[Any], layout: CacheLayout, snapshot: StateSnapsh
     if snapshot is not None:
         for position, layer_index in enumerate(layout.state_layers):
             cache[layer_index].cache = [None if a is None else mx.array(a) for a in snapshot.states[position]]
+
+
+def _tokens(group: list[KVSegment]) -> int:
+    return sum(s.num_tokens for s in group)
 
 
 def _shared_groups(segments: list[KVSegment]) -> list[list[KVSegment]] | None:

@@ -144,6 +144,21 @@ def test_what_a_shared_fork_copies_is_not_counted_as_the_stores(shared):
     assert tokens_read_in_store(forked) == match.length  # read in place; prefill subtracts copied_tail_tokens
 
 
+def test_an_exact_repeat_reads_the_prompt_in_place_and_holds_its_last_token_itself(shared):
+    tokens = shared.tokenizer.encode(SOURCE_TEXT)[:300]
+    store = make_store()
+    first = run_one_inline(job(tokens), shared, store, 512)  # one segment of 299 tokens, the last token alone
+    match = store.match(shared.fingerprint, tokens, requires_snapshot=shared.layout.is_hybrid, whole_with_logits=True)
+    assert [s.num_tokens for s in match.segments] == [299, 1] and match.logits is not None
+    forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
+    store.release(match.lease)
+    shared_layers = [layer for layer in forked if isinstance(layer, SharedPrefixKVCache)]
+    assert shared_layers and all(len(layer.prefix_keys) == 1 and layer.own_len == 1 for layer in shared_layers)
+    assert tokens_read_in_store(forked) == 299  # the 1-token piece is the fork's own: no piece of its own per step
+    repeat = run_one_inline(job(tokens), shared, store, 512)
+    assert repeat["cache"]["prefilled_tokens"] == 0 and repeat["text"] == first["text"]
+
+
 def test_the_reply_says_how_much_of_the_hit_was_read_in_place(shared, tiny_llama_dir):
     tokens = shared.tokenizer.encode(SOURCE_TEXT)[:300]
     store = make_store()
@@ -171,7 +186,8 @@ def test_a_long_prompt_cut_into_shortening_passes_is_stored_in_chunks_a_fork_rea
     match = store.match(shared.fingerprint, tokens + [7, 8], requires_snapshot=shared.layout.is_hybrid)
     forked = fork_cache(shared.model, shared.layout, list(match.segments), match.snapshot, match.length)
     store.release(match.lease)
-    assert tokens_read_in_store(forked) == match.length
+    # All of it read in place but the prompt's last token, stored alone (with its logits): the fork's own.
+    assert match.length == 3000 and tokens_read_in_store(forked) == match.length - 1
     cold = run_one_inline(job(tokens + [7, 8], use=False), shared, None, 512)
     warm = run_inline([job(tokens + [7, 8])], shared, store, 512, pass_depth_scale=256)[0]
-    assert warm["text"] == cold["text"] and warm["cache"]["in_place_tokens"] == match.length
+    assert warm["text"] == cold["text"] and warm["cache"]["in_place_tokens"] == match.length - 1
