@@ -160,6 +160,7 @@ def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], lo
                 row = {"words": length, "prompt_tokens": replies[0]["cache"]["prompt_tokens"],
                        "hits": [r["cache"]["hit"] for r in replies],
                        "client_ttft_ms": [r["client_ttft_ms"] for r in replies],
+                       "client_total_ms": [r["client_total_ms"] for r in replies],  # 4 tokens: after the first, 3 steps
                        "prefill_ms": [r["timings"].get("prefill_ms") for r in replies],
                        "timings": [r["timings"] for r in replies]}
                 rows.append(row)
@@ -167,6 +168,7 @@ def through_daemon(model_dir: str, lengths: list[int], extra_args: list[str], lo
                       + " ".join(f"{t:6.1f}" for t in row["client_ttft_ms"])
                       + "   daemon prefill " + " ".join(f"{t:6.1f}" for t in row["prefill_ms"])
                       + "   " + ",".join(row["hits"]))
+                print("          4 tokens in (client) " + " ".join(f"{t:6.1f}" for t in row["client_total_ms"]))
                 last = row["timings"][-1]
                 print("          last repeat: " + ", ".join(f"{key} {last[key]:.1f}" for key in
                       ("queue_ms", "encode_ms", "lookup_ms", "prefill_ms") if key in last))
