@@ -83,7 +83,7 @@ class ModelRunner:
             if seq.stored_logits is not None and seq.reused:
                 start_fork_copy(seq.cache)  # not before sampling: the token would wait for the copy
             store_prompt_end(seq, self.store, logits)
-            if not seq.job.warm_only:
+            if work.reads_prompt_in_place:
                 read_prompt_in_place(seq, self.store)
         result.prefilled.append(Prefilled(seq, token, logits))
 

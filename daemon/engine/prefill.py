@@ -258,24 +258,20 @@ def prefill_step(seq: SequenceState, store: PrefixStore | None, work: PrefillPas
 
 
 def read_prompt_in_place(seq: SequenceState, store: PrefixStore | None) -> int:
-    """Once its prompt is stored, a sequence may read it from the store and give its own copy back.
+    """Once its prompt is stored, a sequence reads it from the store and gives its own copy back.
 
     Its lease holds what it stored, so the store's copy stays while it runs;
     the live cache's copy of those positions goes (kv.fork.read_stored_prefix_in_place),
-    and the scheduler reserves only what follows. Only on a layout that shares
-    forks, and only when the store is short of room (less free than that copy):
-    rows reading distinct prompts in place attend per row in the decode batch,
-    1.35x a step's time at 4 rows and 1.46x at 8 on this CPU
-    (bench/probes/read_in_place_probe.py), so with room to spare the copy stays.
-    Returns the positions it reads from the store now (``seq.reads_in_store``).
+    and the scheduler reserves only what follows. When: the scheduler's
+    (PrefillPass.reads_prompt_in_place: a layout that shares forks, a store
+    short of room). Returns the positions it reads from the store now
+    (``seq.reads_in_store``).
     """
     layout = seq.loaded.layout
     # Not the prompt's last token (store_prompt_end stored it alone): joined with a short segment before
     # it, it would make the fork copy both (kv.fork joins runs of short segments into one copy).
     depth = min(seq.stored_upto, len(seq.tokens) - 1)
     if store is None or seq.lease is None or not layout.shares_forks or depth <= seq.reads_in_store:
-        return seq.reads_in_store
-    if store.free_bytes >= (depth - seq.reads_in_store) * seq.loaded.kv_bytes_per_token:
         return seq.reads_in_store
     segments = store.leased_segments(seq.lease, depth)
     if segments is None:

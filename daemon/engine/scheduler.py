@@ -416,7 +416,10 @@ class Scheduler:
             return StepPlan(finishes=[Finish(seq, FINISH_CANCELLED, seq.cache if unstored else None)])
         generates = not seq.job.warm_only
         if not seq.plan:  # the store held all but the last token, or all of it with its logits
-            return StepPlan(prefill=[PrefillPass(seq, (), seq.position, samples_first=generates)])
+            in_place = generates and self._reads_prompt_in_place(seq)
+            return StepPlan(
+                prefill=[PrefillPass(seq, (), seq.position, samples_first=generates, reads_prompt_in_place=in_place)]
+            )
         hybrid = seq.loaded.layout.is_hybrid
         left = list(seq.plan)  # next_stops takes the pass's stops off this copy; the runner's pass, off seq.plan
         stops = next_stops(
@@ -427,13 +430,39 @@ class Scheduler:
         # An attention model's last pass takes the prompt's last token along: its logits give the first token.
         takes_last = is_last and generates and not hybrid and depth == len(seq.tokens) - 1
         run_to = depth + 1 if takes_last else depth
+        samples_first = is_last and generates
         return StepPlan(
             prefill=[
                 PrefillPass(
-                    seq, tuple(stops), run_to, samples_first=is_last and generates, stores=self._stores_pass(seq, stops)
+                    seq,
+                    tuple(stops),
+                    run_to,
+                    samples_first=samples_first,
+                    stores=self._stores_pass(seq, stops),
+                    reads_prompt_in_place=samples_first and self._reads_prompt_in_place(seq),
                 )
             ]
         )
+
+    def _reads_prompt_in_place(self, seq: SequenceState) -> bool:
+        """Whether a prompt's last pass ends with its live cache reading the stored prompt in place.
+
+        Once stored, a prompt computed here is leased while its request runs,
+        so the live cache may read it from the store and give its own copy
+        back (prefill.read_prompt_in_place): the reservation falls to what
+        follows the prompt. Only on a layout that shares forks, and only when
+        the store will be short of room, with less free once this pass and the
+        prompt's last token are stored than that copy: rows reading distinct
+        prompts in place attend per row in the decode batch, 1.35x a step's
+        time at 4 rows and 1.46x at 8 on this CPU
+        (bench/probes/read_in_place_probe.py), so with room to spare the copy stays.
+        """
+        depth = len(seq.tokens) - 1  # what is read in place: the last token is the sequence's own
+        if self.store is None or not seq.loaded.layout.shares_forks or depth <= seq.reads_in_store:
+            return False
+        per_token = seq.loaded.kv_bytes_per_token
+        still_to_store = max(0, len(seq.tokens) - seq.stored_upto) * per_token
+        return self.store.free_bytes - still_to_store < (depth - seq.reads_in_store) * per_token
 
     def _stores_pass(self, seq: SequenceState, stops: list[tuple[int, str]]) -> bool:
         """Whether the pass hands its KV to the store when it is done (settings.CUDA_CHUNKS_PER_STORE).

@@ -42,6 +42,8 @@ class PrefillPass:
     answer token from its last logits. ``stores``: hand what the pass computed
     to the prefix store now; False: the next pass that stores takes it along,
     in one segment without these stops (Scheduler._stores_pass).
+    ``reads_prompt_in_place``: once the prompt is stored, the live cache reads
+    it from the store and gives its own copy back (Scheduler._reads_prompt_in_place).
     """
 
     seq: SequenceState
@@ -49,6 +51,7 @@ class PrefillPass:
     run_to: int
     samples_first: bool
     stores: bool = True
+    reads_prompt_in_place: bool = False
 
 
 @dataclass(frozen=True)
