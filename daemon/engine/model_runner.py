@@ -85,6 +85,8 @@ class ModelRunner:
             store_prompt_end(seq, self.store, logits)
             if work.reads_prompt_in_place:
                 read_prompt_in_place(seq, self.store)
+        elif work.stores_last_logits:  # a warm-only request: the request that follows will sample from them
+            store_prompt_end(seq, self.store, last_token_logits(seq))
         result.prefilled.append(Prefilled(seq, token, logits))
 
     # -- decode batches ------------------------------------------------------------------------

@@ -418,7 +418,16 @@ class Scheduler:
         if not seq.plan:  # the store held all but the last token, or all of it with its logits
             in_place = generates and self._reads_prompt_in_place(seq)
             return StepPlan(
-                prefill=[PrefillPass(seq, (), seq.position, samples_first=generates, reads_prompt_in_place=in_place)]
+                prefill=[
+                    PrefillPass(
+                        seq,
+                        (),
+                        seq.position,
+                        samples_first=generates,
+                        reads_prompt_in_place=in_place,
+                        stores_last_logits=self._warm_stores_last_logits(seq, True),
+                    )
+                ]
             )
         hybrid = seq.loaded.layout.is_hybrid
         left = list(seq.plan)  # next_stops takes the pass's stops off this copy; the runner's pass, off seq.plan
@@ -440,8 +449,28 @@ class Scheduler:
                     samples_first=samples_first,
                     stores=self._stores_pass(seq, stops),
                     reads_prompt_in_place=samples_first and self._reads_prompt_in_place(seq),
+                    stores_last_logits=self._warm_stores_last_logits(seq, is_last),
                 )
             ]
+        )
+
+    def _warm_stores_last_logits(self, seq: SequenceState, is_last: bool) -> bool:
+        """Whether a warm-only request's last pass also runs the prompt's last token and stores its logits.
+
+        A warm (an editor preparing a file's prompt while the user looks at
+        it) samples nothing, so it stopped one token short; the completion that
+        followed ran that token over the whole context. Now the warm runs it,
+        in a pass of its own (the stored KV is cut where it always was), and the
+        completion samples its first token from the stored logits
+        (prefill.store_prompt_end) without a pass.
+        """
+        return (
+            is_last
+            and seq.job.warm_only
+            and self.store is not None
+            and seq.params.cache.store
+            and seq.stored_logits is None
+            and seq.reused < len(seq.tokens)
         )
 
     def _reads_prompt_in_place(self, seq: SequenceState) -> bool:

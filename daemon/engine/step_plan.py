@@ -44,6 +44,8 @@ class PrefillPass:
     in one segment without these stops (Scheduler._stores_pass).
     ``reads_prompt_in_place``: once the prompt is stored, the live cache reads
     it from the store and gives its own copy back (Scheduler._reads_prompt_in_place).
+    ``stores_last_logits``: a warm-only request's last pass; then run the
+    prompt's last token and store its logits (Scheduler._warm_stores_last_logits).
     """
 
     seq: SequenceState
@@ -52,6 +54,7 @@ class PrefillPass:
     samples_first: bool
     stores: bool = True
     reads_prompt_in_place: bool = False
+    stores_last_logits: bool = False
 
 
 @dataclass(frozen=True)
