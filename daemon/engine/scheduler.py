@@ -33,7 +33,7 @@ from ..common_prefix import common_prefix_length
 from .constrained_sampling import after_token, start_grammar
 from .faults import fault_point
 from .jobs import DONE, FAILED, GenerateJob, internal_error
-from .prefill import make_sequence, next_stops, system_prompt_ends
+from .prefill import make_sequence, next_stops, system_prompt_ends, uses_store
 from .sequence_state import Phase, SequenceState
 from .shadow_checker import ShadowChecker
 from .shadow_run import ShadowOutcome
@@ -467,10 +467,9 @@ class Scheduler:
         return (
             is_last
             and seq.job.warm_only
-            and self.store is not None
+            and uses_store(self.store, seq)  # not a model whose cache cannot be stored: the pass would be for nothing
             and seq.params.cache.store
-            and seq.stored_logits is None
-            and seq.reused < len(seq.tokens)
+            and seq.stored_logits is None  # the store has them already
         )
 
     def _reads_prompt_in_place(self, seq: SequenceState) -> bool:
