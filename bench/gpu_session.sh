@@ -15,7 +15,10 @@
 # 4 agents x 8 turns on an ~8,000-token tool-laden system prompt, prefixd vs mlx-lm server; quick: 2 x 4 on 1,500);
 # fairness, lfm2-fairness (bench/fairness.py --quick; fairness and fairness-full, the full form, write the engine's
 # step trace beside their figures: PREFIXD_TRACE_STEPS); shared-probe (bench/probes/shared_prefix_probe.py: attention over stored
-# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE), concurrency-alt (bench/concurrency.py --quick on it); hits-raw (hits' daemon part only), hits-raw-alt (the same on $ALT_TREE).
+# pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE), concurrency-alt (bench/concurrency.py --quick on it); hits-raw (hits' daemon part only), hits-raw-nographs (the same with MLX_USE_CUDA_GRAPHS=0), hits-raw-alt (the same on $ALT_TREE); rowlinear
+# (bench/probes/row_linear_probe.py: a few rows through the linear layers as one matmul or one matrix-vector product per
+# row), concurrency-full (concurrency.py's full form: 1, 2, 4 and 8 sessions), concurrency-full-linear-rows,
+# concurrency-full-linear-matmul, quick-linear-rows and quick-linear-matmul (those with --linear rows or matmul).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -48,10 +51,17 @@ for s in "$@"; do
     floor32k) step floor32k python3 "${KIT:-.gpu/b}"/floor.py /tmp/q06 32000 ;;
     hits) step hits python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 1,2 --lengths 4000,32000 --json "$out/hits.json" ;;
     hits-raw) step hits-raw python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw.json" ;;
+    hits-raw-nographs) MLX_USE_CUDA_GRAPHS=0 step hits-raw-nographs python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw-nographs.json" ;;
     hits-raw-alt)  # the same on the prefixd in $ALT_TREE
       alt_prefixd
       PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step hits-raw-alt python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw-alt.json" ;;
     batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
+    rowlinear) step rowlinear python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 ;;
+    concurrency-full) step concurrency-full python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/concurrency-full.json" ;;
+    concurrency-full-linear-rows) PREFIXD_LINEAR=rows step concurrency-full-linear-rows python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/concurrency-full-linear-rows.json" ;;
+    concurrency-full-linear-matmul) PREFIXD_LINEAR=matmul step concurrency-full-linear-matmul python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/concurrency-full-linear-matmul.json" ;;
+    quick-linear-rows) PREFIXD_LINEAR=rows step quick-linear-rows python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-linear-rows" ;;
+    quick-linear-matmul) PREFIXD_LINEAR=matmul step quick-linear-matmul python3 bench/compare.py --quick --model /tmp/q06 --out "$out/quick-linear-matmul" ;;
     batchstep) step batchstep python3 bench/probes/batch_step_probe.py /tmp/q06 --context 1000 --steps 40 ;;
     probe) step probe python3 bench/probes/shape_probe.py /tmp/q06 --context 3000 --json "$out/probe.json" ;;
     probe-conv) step probe-conv python3 bench/probes/conv_shape_probe.py /tmp/lfm2 --context 1000 --json "$out/probe-conv.json" ;;

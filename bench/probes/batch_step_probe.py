@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -95,6 +96,21 @@ def pipelined_steps(model, cache, first: mx.array, steps: int) -> list[float]:
     return times
 
 
+def random_prompts(tokenizer, seed: int = 0) -> Callable[[int], list[int]]:
+    """n -> n ordinary token ids, drawn from one seeded generator."""
+    rng = random.Random(seed)
+    vocab = len(tokenizer.vocab)
+    return lambda n: [rng.randrange(min(100, vocab // 2), min(30000, vocab)) for _ in range(n)]
+
+
+def prefilled_cache(model, tokens: list[list[int]]) -> list:
+    """A fresh cache holding these equal-length rows, evaluated."""
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
@@ -105,17 +121,10 @@ def main() -> int:
     parts = set(args.parts.split(","))
     model, tokenizer = load(args.model)
     install_rowwise(model)
-    rng = random.Random(0)
-    vocab = len(tokenizer.vocab)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(min(100, vocab // 2), min(30000, vocab)) for _ in range(n)]
+    prompt = random_prompts(tokenizer)
 
     def prefilled(tokens: list[list[int]]) -> list:
-        cache = make_prompt_cache(model)
-        model(mx.array(tokens), cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache
+        return prefilled_cache(model, tokens)
 
     print(f"device {mx.default_device()}, mlx {mx.__version__}, context ~{args.context}, {args.steps} steps", flush=True)
     if "steps" in parts:

@@ -486,6 +486,7 @@ class Engine:
             chat_template=entry.chat_template,
             kv_bits=entry.layout.kv_bits,
             fork=self.settings.fork,
+            linear=self.settings.linear,
         )
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
@@ -502,6 +503,7 @@ class Engine:
             chat_template=entry.chat_template,
             kv_bits=entry.layout.kv_bits,
             fork=self.settings.fork,
+            linear=self.settings.linear,
         )
         warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
@@ -534,6 +536,7 @@ class Engine:
             fork=loaded.fork,
             attention=loaded.attention,
             short_conv=loaded.short_conv,
+            linear=loaded.linear,
             warm_up_s=None if warm_up_seconds is None else round(warm_up_seconds, 3),
             fingerprint=loaded.fingerprint,
             process_peak_rss_bytes=peak_rss_bytes(),

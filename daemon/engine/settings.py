@@ -22,6 +22,7 @@ class EngineSettings:
     shadow_rate: float = 0.0  # share of greedy cache hits re-run without the cache when idle (shadow_checker.py)
     shadow_action: str = "log"  # on a mismatch: log, or stop-reuse (that checkpoint kind, for that model)
     attention: str = "auto"  # short multi-token passes: auto, fused or matmul (models/tail_attention.py)
+    linear: str = "auto"  # 2-8 rows through a linear layer: auto, matmul or rows (models/row_linear.py)
     fork: str = "auto"  # a hit's stored KV: auto (share on a CPU), copy, or read in place (models/shared_forks.py)
     warm_up: str = "auto"  # fork and last-token passes run once at load: auto (on a GPU), on, off (engine/warm_up.py)
     keep_alive_s: float = -1.0  # an idle model stays loaded this long (negative: for good); requests may say otherwise

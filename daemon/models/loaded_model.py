@@ -23,7 +23,7 @@ from ...protocol.methods import PromptInput
 from ..kv.fork import live_cache
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
 from ..kv.quantized_kv import describe_kv
-from . import short_conv, tail_attention
+from . import row_linear, short_conv, tail_attention
 from .shared_forks import wants_shared_forks, with_shared_forks
 from .generic_tools import tools_path
 from .prompt_encoding import EncodedPrompt, PromptEncoder
@@ -60,6 +60,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     attention: str = "fused"  # how short multi-token passes attend (tail_attention.py)
     short_conv: str = "native"  # the form of a hybrid model's short convolutions (short_conv.py)
+    linear: str = "matmul"  # how 2-8 rows pass through the linear layers (row_linear.py)
     kv: str = ""  # its attention KV as stats say it: float32, q8 (group 64), ... (quantized_kv.describe_kv)
     fork: str = "copy"  # how a hit's stored KV reaches its passes: share or copy, and why (shared_forks.py)
 
@@ -109,6 +110,7 @@ def load_model(
     chat_template: str | None = None,
     kv_bits: int = 0,
     fork: str = "auto",
+    linear: str = "auto",
 ) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
@@ -121,6 +123,7 @@ def load_model(
     loaded again with it.
     ``kv_bits``: 8 or 4 quantizes its attention KV (--kv-bits, kv/quantized_kv.py); 0 keeps full precision.
     ``fork``: auto, copy or share: whether a hit reads the stored segments in place (--fork, shared_forks.py).
+    ``linear``: how 2-8 rows pass through the linear layers (--linear, row_linear.py).
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
@@ -139,6 +142,7 @@ def load_model(
     refuse_unbatchable(model, path)
     attention = tail_attention.install(model, attention)
     conv = short_conv.install(model, conv)
+    linear = row_linear.install(model, linear)
     on_gpu = mx.default_device().type == mx.gpu
     layout, fork = with_shared_forks(model, layout, wants_shared_forks(fork, on_gpu), first_param.dtype)
     kv_bytes_per_token, state_bytes_per_sequence, kv_dtype, head_dims = _measure_cache_bytes(model, layout)
@@ -159,6 +163,7 @@ def load_model(
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         attention=attention,
         short_conv=conv,
+        linear=linear,
         kv=describe_kv(layout.kv_bits, kv_dtype or _dtype_name(first_param.dtype), head_dims),
         fork=fork,
     )

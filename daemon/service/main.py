@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         shadow_rate=args.shadow_rate,
         shadow_action=args.shadow_action,
         attention=args.attention,
+        linear=args.linear,
         fork=args.fork,
         warm_up=args.warm_up,
         max_queued=args.max_queued,

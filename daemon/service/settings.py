@@ -286,6 +286,15 @@ SETTINGS: dict[str, Setting] = {
             note="matmul on a CUDA GPU, fused elsewhere",
         ),
         Setting(
+            "linear",
+            one_of("auto", "matmul", "rows"),
+            SCHEDULING,
+            "how 2-8 rows (a decode batch, a short tail) pass through a model's linear layers: rows asks MLX "
+            "for one matrix-vector product per row in one kernel, in place of its CUDA matmul of a few rows",
+            default="auto",
+            note="matmul (rows is not yet measured on a GPU; slower on a CPU)",
+        ),
+        Setting(
             "fork",
             one_of("auto", "copy", "share"),
             SCHEDULING,

@@ -18,7 +18,7 @@ PLAIN_DEFAULTS = {
     "model": [], "models_dir": None, "chat_template": [], "kv_bits": [], "dtype": "auto", "cache_entries": 65536,
     "mlx_cache_bytes": None, "disk_cache_bytes": 0, "disk_save_interval": 60.0, "prefill_chunk": None,
     "max_active": 32, "keep_alive": -1.0, "max_model_memory": 0, "shadow_rate": 0.05, "shadow_action": "log",
-    "attention": "auto", "fork": "auto", "warm_up": "auto", "max_queued": 256, "max_queued_per_client": 64, "grace_seconds": 10.0,
+    "attention": "auto", "linear": "auto", "fork": "auto", "warm_up": "auto", "max_queued": 256, "max_queued_per_client": 64, "grace_seconds": 10.0,
     "log_format": "auto", "log_level": "info", "status_interval": 5.0, "http": None, "http_socket": None,
     "http_token_file": None, "http_no_token": False, "max_output_tokens": 4096, "keep_billing_header": False,
     "allow_uid": [], "ranks": 1, "distributed_backend": "any", "rank_timeout": 60.0, "parallel": "tensor",

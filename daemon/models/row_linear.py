@@ -1,0 +1,97 @@
+"""A few rows through a linear layer as one matrix-vector product per row, on CUDA.
+
+Why: a decode batch of B sequences sends B rows through every linear layer of
+the model. MLX's CUDA matmul runs one row (a single sequence's step) in its own
+matrix-vector kernel, but ``x @ W.T`` folds two rows or more into one matrix and
+hands it to cuBLASLt (mlx/ops.cpp ``matmul`` flattens x; mlx/backend/cuda/
+matmul.cpp ``gemm_and_bias`` takes gemv only for M == 1). For a model whose
+step is a few hundred small matmuls, that turns a 2-row step into much more
+than a 1-row one (bench/probes/row_linear_probe.py measures both forms).
+
+Asked as ``W @ x_i`` for every row i at once (the rows as a batch of column
+vectors, the weight shared with batch stride 0), MLX takes its batched gemv
+kernel instead: one launch, every row computed by the kernel a single row gets.
+
+The kernel reads the weight once per row, so this form is kept to at most
+``MAX_ROWS`` rows and to weights of at most ``MAX_WEIGHT_BYTES`` (a larger one
+is read from device memory again for every row; a small one stays in the L2
+cache between rows). Longer passes (a prompt's chunks) keep the matmul.
+
+The form is opt-in (``--linear rows``) until it is measured on a CUDA GPU
+(bench/gpu_session.sh: rowlinear, concurrency-full-linear-rows and -matmul);
+on a CPU it is slower than MLX's matmul (the probe, run here), so ``auto``
+keeps the matmul there for good.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MODES = ("auto", "matmul", "rows")
+MAX_ROWS = 8
+MAX_WEIGHT_BYTES = 64 << 20
+
+
+def resolve_mode(mode: str) -> str:
+    """``auto``: the matmul, until the rows form is measured on CUDA."""
+    if mode not in MODES:
+        raise ValueError(f"linear mode must be one of {', '.join(MODES)}, not {mode!r}")
+    return "matmul" if mode == "auto" else mode
+
+
+def takes_rows(x: mx.array, weight: mx.array) -> bool:
+    rows = x.size // x.shape[-1]
+    return 2 <= rows <= MAX_ROWS and weight.nbytes <= MAX_WEIGHT_BYTES
+
+
+def rows_times_weight(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` for every row of x as ``weight @ row``: one batched matrix-vector kernel."""
+    rows = x.size // x.shape[-1]
+    columns = weight @ x.reshape(rows, x.shape[-1], 1)  # (rows, out, 1); weight broadcast with stride 0
+    return columns.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class RowwiseLinear(nn.Linear):
+    """``nn.Linear`` whose few-row inputs take ``rows_times_weight``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not takes_rows(x, self["weight"]):
+            return super().__call__(x)
+        y = rows_times_weight(x, self["weight"])
+        return y + self["bias"] if "bias" in self else y
+
+
+class RowwiseEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose output projection (tied weights: ``as_linear``) does the same."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not takes_rows(x, self.weight):
+            return super().as_linear(x)
+        return rows_times_weight(x, self.weight)
+
+
+def install(model: Any, mode: str = "auto") -> str:
+    """Give the model's plain linear layers and embeddings the few-row form if ``mode`` says so; the form in use.
+
+    The layers keep their class's behaviour and their arrays; only their class
+    changes, so checks like ``isinstance(layer, nn.Linear)`` still hold.
+    """
+    if resolve_mode(mode) != "rows":
+        return "matmul"
+    swapped = 0
+    for module in _modules(model):
+        if type(module) is nn.Linear:
+            module.__class__ = RowwiseLinear
+            swapped += 1
+        elif type(module) is nn.Embedding:
+            module.__class__ = RowwiseEmbedding
+            swapped += 1
+    return "rows" if swapped else "matmul"
+
+
+def _modules(model: Any) -> list[Any]:
+    modules = getattr(model, "modules", None)
+    return list(modules()) if callable(modules) else []
