@@ -4,9 +4,10 @@ Why: a decode batch of B sequences sends B rows through every linear layer of
 the model. MLX's CUDA matmul runs one row (a single sequence's step) in its own
 matrix-vector kernel, but ``x @ W.T`` folds two rows or more into one matrix and
 hands it to cuBLASLt (mlx/ops.cpp ``matmul`` flattens x; mlx/backend/cuda/
-matmul.cpp ``gemm_and_bias`` takes gemv only for M == 1). For a model whose
-step is a few hundred small matmuls, that turns a 2-row step into much more
-than a 1-row one (bench/probes/row_linear_probe.py measures both forms).
+matmul.cpp ``gemm_and_bias`` takes gemv only for M == 1). A small model's
+step is a few hundred such matmuls, and on CUDA a step of 2-4 rows was
+measured at 1.5-2x a step of one (docs/decisions.md): this is the suspect
+that bench/probes/row_linear_probe.py tests, both forms side by side.
 
 Asked as ``W @ x_i`` for every row i at once (the rows as a batch of column
 vectors, the weight shared with batch stride 0), MLX takes its batched gemv
