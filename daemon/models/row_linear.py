@@ -5,23 +5,23 @@ the model. MLX's CUDA matmul runs one row (a single sequence's step) in its own
 matrix-vector kernel, but ``x @ W.T`` folds two rows or more into one matrix and
 hands it to cuBLASLt (mlx/ops.cpp ``matmul`` flattens x; mlx/backend/cuda/
 matmul.cpp ``gemm_and_bias`` takes gemv only for M == 1). A small model's
-step is a few hundred such matmuls, and on CUDA a step of 2-4 rows was
-measured at 1.5-2x a step of one (docs/decisions.md): this is the suspect
-that bench/probes/row_linear_probe.py tests, both forms side by side.
+step is a few hundred such matmuls, and on an H100 two rows through cuBLASLt
+cost 2.3-2.8x one row's gemv per layer shape (bench/probes/row_linear_probe.py;
+the figures are in docs/decisions.md).
 
 Asked as ``W @ x_i`` for every row i at once (the rows as a batch of column
 vectors, the weight shared with batch stride 0), MLX takes its batched gemv
 kernel instead: one launch, every row computed by the kernel a single row gets.
 
 The kernel reads the weight once per row, so this form is kept to at most
-``MAX_ROWS`` rows and to weights of at most ``MAX_WEIGHT_BYTES`` (a larger one
-is read from device memory again for every row; a small one stays in the L2
-cache between rows). Longer passes (a prompt's chunks) keep the matmul.
+``MAX_ROWS`` rows (measured up to 8) and to weights of at most
+``MAX_WEIGHT_BYTES``: on the H100 every layer weight of 2-6 MiB was faster
+this way at 2-8 rows, and the 96 MiB output projection slower (1.2x at 2
+rows, 3x at 8); the bound between them is not measured. Longer passes (a
+prompt's chunks) keep the matmul.
 
-The form is opt-in (``--linear rows``) until it is measured on a CUDA GPU
-(bench/gpu_session.sh: rowlinear, concurrency-full-linear-rows and -matmul);
-on a CPU it is slower than MLX's matmul (the probe, run here), so ``auto``
-keeps the matmul there for good.
+Elsewhere (Metal, a CPU) MLX's own matmul stays: on this project's CPU the
+rows form is slower at every row count (BLAS handles a few rows well).
 """
 
 from __future__ import annotations
@@ -31,16 +31,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cuda import on_cuda
+
 MODES = ("auto", "matmul", "rows")
 MAX_ROWS = 8
 MAX_WEIGHT_BYTES = 64 << 20
 
 
 def resolve_mode(mode: str) -> str:
-    """``auto``: the matmul, until the rows form is measured on CUDA."""
+    """``auto``: rows on a CUDA GPU, matmul elsewhere."""
     if mode not in MODES:
         raise ValueError(f"linear mode must be one of {', '.join(MODES)}, not {mode!r}")
-    return "matmul" if mode == "auto" else mode
+    if mode != "auto":
+        return mode
+    return "rows" if on_cuda() else "matmul"
 
 
 def takes_rows(x: mx.array, weight: mx.array) -> bool:
