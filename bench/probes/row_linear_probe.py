@@ -48,14 +48,14 @@ ROW_COUNTS = (1, 2, 4, 8)
 
 
 def set_form(model, form: str) -> None:
-    """Every plain Linear/Embedding of the model in ``form`` (matmul: MLX's own; rows: row_linear's)."""
-    classes = {
-        "matmul": {row_linear.RowwiseLinear: nn.Linear, row_linear.RowwiseEmbedding: nn.Embedding},
-        "rows": {nn.Linear: row_linear.RowwiseLinear, nn.Embedding: row_linear.RowwiseEmbedding},
-    }[form]
+    """The model's linear layers in ``form``: matmul (MLX's own), or rows as the daemon installs it (row_linear.py)."""
+    if form == "rows":
+        row_linear.install(model, "rows")
+        return
+    plain = {row_linear.RowwiseLinear: nn.Linear, row_linear.RowwiseEmbedding: nn.Embedding}
     for module in model.modules():
-        if type(module) in classes:
-            module.__class__ = classes[type(module)]
+        if type(module) in plain:
+            module.__class__ = plain[type(module)]
 
 
 def timed(fn, repeats: int = 30) -> float:

@@ -27,25 +27,36 @@ def job(tokens: list[int], use: bool = True, max_tokens: int = 12) -> GenerateJo
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 1, 48), (8, 1, 48), (1, 5, 48), (2, 3, 48)])
+@pytest.mark.parametrize("shape", [(2, 1, 48), (8, 1, 48), (1, 5, 48), (2, 3, 48), (1, 1, 48), (1, 12, 48)])
 def test_the_rows_form_is_the_linear_layer(shape, dtype, bias):
     layer = nn.Linear(48, 40, bias=bias)
     layer.set_dtype(dtype)
     x = mx.random.normal(shape).astype(dtype)
     expected = layer(x)
     layer.__class__ = row_linear.RowwiseLinear
-    assert row_linear.takes_rows(x, layer.weight)
+    rows = shape[0] * shape[1]
+    assert row_linear.takes_rows(x) == (2 <= rows <= row_linear.MAX_ROWS)  # the others take nn.Linear's own body
     got = layer(x)
     tolerance = 1e-5 if dtype == mx.float32 else 2e-2
     assert got.shape == expected.shape == (*shape[:-1], 40) and got.dtype == dtype
     assert mx.allclose(got.astype(mx.float32), expected.astype(mx.float32), atol=tolerance, rtol=tolerance).item()
 
 
-def test_one_row_and_long_passes_keep_the_matmul():
-    weight = mx.zeros((40, 48))
-    assert not row_linear.takes_rows(mx.zeros((1, 1, 48)), weight)  # MLX already runs one row as a gemv
-    assert not row_linear.takes_rows(mx.zeros((1, row_linear.MAX_ROWS + 1, 48)), weight)
-    assert not row_linear.takes_rows(mx.zeros((2, 1, 4096)), mx.zeros((row_linear.MAX_WEIGHT_BYTES // 8192 + 1, 4096)))
+def test_one_row_long_passes_and_large_weights_keep_the_matmul():
+    assert not row_linear.takes_rows(mx.zeros((1, 1, 48)))  # MLX already runs one row as a gemv
+    assert not row_linear.takes_rows(mx.zeros((1, row_linear.MAX_ROWS + 1, 48)))
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.Linear(48, 40)
+            self.large = nn.Linear(1024, row_linear.MAX_WEIGHT_BYTES // 4096 + 1, bias=False)  # float32
+
+    holder = Holder()
+    assert row_linear.install(holder, "rows") == "rows"
+    assert type(holder.small) is row_linear.RowwiseLinear and type(holder.large) is nn.Linear
+    x = mx.random.normal((2, 1, 48))
+    assert mx.allclose(holder.small(x), x @ holder.small.weight.T + holder.small.bias, atol=1e-5).item()
 
 
 def test_the_tied_output_projection_takes_the_form_too():
