@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cuda import on_cuda
+from ..cuda import choose_form
 
 MODES = ("auto", "native", "shifted")
 
@@ -60,11 +60,7 @@ class ShiftedDepthwiseConv(nn.Module):
 
 def resolve_mode(mode: str) -> str:
     """``auto``: shifted on a CUDA GPU (where cuDNN prepares each new length), native elsewhere."""
-    if mode not in MODES:
-        raise ValueError(f"short convolution mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode != "auto":
-        return mode
-    return "shifted" if on_cuda() else "native"
+    return choose_form(mode, MODES, "short convolution mode", on_cuda_form="shifted", elsewhere="native")
 
 
 def install(model: Any, mode: str = "auto") -> str:

@@ -40,7 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cuda import on_cuda
+from ..cuda import choose_form
 from ..kv.shared_prefix_cache import SharedPrefixBatchKVCache, SharedPrefixKVCache
 from .prefix_attention import batch_prefix_attention, prefix_attention
 
@@ -56,11 +56,7 @@ _state = {"mode": "fused", "matmul_passes": 0}
 
 def resolve_mode(mode: str) -> str:
     """``auto``: the matmul form for short tails on a CUDA GPU (where the per-shape build is), fused elsewhere."""
-    if mode not in MODES:
-        raise ValueError(f"attention mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode != "auto":
-        return mode
-    return "matmul" if on_cuda() else "fused"
+    return choose_form(mode, MODES, "attention mode", on_cuda_form="matmul", elsewhere="fused")
 
 
 def install(model: Any, mode: str) -> str:
