@@ -18,7 +18,9 @@
 # pieces read in place against the fused call and today's fork copy), quick-share (compare.py --quick with --fork share); quick-alt (compare.py --quick on the prefixd in $ALT_TREE), concurrency-alt (bench/concurrency.py --quick on it); hits-raw (hits' daemon part only), hits-raw-nographs (the same with MLX_USE_CUDA_GRAPHS=0), hits-raw-alt (the same on $ALT_TREE); rowlinear
 # (bench/probes/row_linear_probe.py: a few rows through the linear layers as one matmul or one matrix-vector product per
 # row), concurrency-full (concurrency.py's full form: 1, 2, 4 and 8 sessions), concurrency-full-linear-rows,
-# concurrency-full-linear-matmul, quick-linear-rows and quick-linear-matmul (those with --linear rows or matmul).
+# concurrency-full-linear-matmul, quick-linear-rows and quick-linear-matmul (those with --linear rows or matmul);
+# profile (bench/probes/daemon_profile.py: the daemon's step trace and a py-spy profile with 1, 4 and 8 sessions;
+# py-spy's wheel goes into .gpu/b/wheels), rowlinear-steps (row_linear_probe's in-process decode steps alone).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -56,6 +58,8 @@ for s in "$@"; do
       alt_prefixd
       PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step hits-raw-alt python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw-alt.json" ;;
     batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
+    profile) PATH=/tmp/site/bin:$PATH step profile python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 --out "$out/profile" ;;
+    rowlinear-steps) step rowlinear-steps python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 --parts steps,batch ;;
     rowlinear) step rowlinear python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 ;;
     concurrency-full) step concurrency-full python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/concurrency-full.json" ;;
     concurrency-full-linear-rows) PREFIXD_LINEAR=rows step concurrency-full-linear-rows python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/concurrency-full-linear-rows.json" ;;
