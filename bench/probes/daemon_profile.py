@@ -164,7 +164,9 @@ def main() -> int:
                 decode_throughput(daemon.socket_path, sessions, 16)
                 since = time.time()
                 row = decode_throughput(daemon.socket_path, sessions, args.tokens)
-                print(f"{sessions} sessions: {row['decode_aggregate_tok_s']:.1f} tok/s aggregate (traced)")
+                per_session = statistics.median(row["per_session_tok_s"])
+                print(f"{sessions} sessions: {row['decode_aggregate_tok_s']:.1f} tok/s aggregate (traced);"
+                      f" the daemon's own decode rate per session, median {per_session:.1f} tok/s")
                 print(trace_summary(decode_plans(trace, since)))
                 if not has_spy:
                     continue
