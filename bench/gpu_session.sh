@@ -20,7 +20,10 @@
 # row), concurrency-full (concurrency.py's full form: 1, 2, 4 and 8 sessions), concurrency-full-linear-rows,
 # concurrency-full-linear-matmul, quick-linear-rows and quick-linear-matmul (those with --linear rows or matmul);
 # profile (bench/probes/daemon_profile.py: the daemon's step trace and a py-spy profile with 1, 4 and 8 sessions;
-# py-spy's wheel goes into .gpu/b/wheels), rowlinear-steps (row_linear_probe's in-process decode steps alone).
+# py-spy's wheel goes into .gpu/b/wheels), rowlinear-steps (row_linear_probe's in-process decode steps alone);
+# padded (bench/probes/padded_decode_probe.py: a padded decode batch's attention, MLX's masked form against
+# prefixd's kernel), concurrency-attn-kernel / -matmul (concurrency.py with 200 tokens a session and --attention
+# kernel or matmul), concurrency-full-attn-kernel / -matmul (its full form, 48 tokens), profile-attn-matmul.
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -58,6 +61,12 @@ for s in "$@"; do
       alt_prefixd
       PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step hits-raw-alt python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw-alt.json" ;;
     batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
+    padded) step padded python3 bench/probes/padded_decode_probe.py /tmp/q06 --context 1000 --steps 40 ;;
+    concurrency-attn-kernel|concurrency-attn-matmul)  # steady batches: 200 tokens a session
+      PREFIXD_ATTENTION=${s#concurrency-attn-} step "$s" python3 bench/concurrency.py --smollm2 /tmp/q06 --tokens 200 --json "$out/$s.json" ;;
+    concurrency-full-attn-kernel|concurrency-full-attn-matmul)
+      PREFIXD_ATTENTION=${s#concurrency-full-attn-} step "$s" python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/$s.json" ;;
+    profile-attn-matmul) PREFIXD_ATTENTION=matmul PATH=/tmp/site/bin:$PATH step profile-attn-matmul python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 ;;
     profile) PATH=/tmp/site/bin:$PATH step profile python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 --out "$out/profile" ;;
     rowlinear-steps) step rowlinear-steps python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 --parts steps,batch ;;
     rowlinear) step rowlinear python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 ;;

@@ -21,7 +21,7 @@ class EngineSettings:
     max_active: int  # sequences prefilling or decoding at once
     shadow_rate: float = 0.0  # share of greedy cache hits re-run without the cache when idle (shadow_checker.py)
     shadow_action: str = "log"  # on a mismatch: log, or stop-reuse (that checkpoint kind, for that model)
-    attention: str = "auto"  # short multi-token passes: auto, fused or matmul (models/tail_attention.py)
+    attention: str = "auto"  # tails and padded decode steps: auto, fused, matmul, kernel (tail_attention.py)
     linear: str = "auto"  # 2-8 rows through a linear layer: auto, matmul or rows (models/row_linear.py)
     fork: str = "auto"  # a hit's stored KV: auto (share on a CPU), copy, or read in place (models/shared_forks.py)
     warm_up: str = "auto"  # fork and last-token passes run once at load: auto (on a GPU), on, off (engine/warm_up.py)

@@ -15,8 +15,11 @@ per-shape build: cuBLAS picks a kernel per shape in microseconds. Long passes
 (a cold prompt's full chunks) keep the fused kernel: their score matrix would
 be large, and their shapes repeat (chunk after chunk of the same length).
 
-Decode steps (one query token) are left alone: MLX's vector kernel and its
-cuDNN decode path are built once per 256 keys, not per length.
+Decode steps (one query token) keep MLX's vector kernel and its cuDNN decode
+path, built once per 256 keys, not per length; except a decode batch's step
+over left-padded rows in mode ``kernel`` (``auto`` on CUDA): MLX has no fused
+kernel for its array mask, so such a step goes to prefixd's own
+(padded_decode_attention.py), where that kernel builds and agrees with MLX.
 
 A tail's first pass still costs more than its repeats in this form, but less
 than fused, and what is left depends on the pass's length alone, not the cache
@@ -39,31 +42,47 @@ import sys
 from typing import Any
 
 import mlx.core as mx
+import structlog
 
 from ..cuda import choose_form
 from ..kv.shared_prefix_cache import SharedPrefixBatchKVCache, SharedPrefixKVCache
+from . import padded_decode_attention
 from .prefix_attention import batch_prefix_attention, prefix_attention
 
-MODES = ("auto", "fused", "matmul")
+# fused: MLX's attention everywhere; matmul: short tails in the plain form; kernel: that,
+# and a padded decode batch's steps through padded_decode_attention.py.
+MODES = ("auto", "fused", "matmul", "kernel")
 
 # Above this many attention scores (batch x heads x queries x keys) a pass keeps
 # the fused kernel: 64M float32 scores are 256 MiB, and such a pass is long
 # enough that a graph build is a small part of it.
 MAX_MATMUL_SCORES = 1 << 26
 
-_state = {"mode": "fused", "matmul_passes": 0}
+log = structlog.get_logger()
+
+_state = {"mode": "fused", "matmul_passes": 0, "kernel_steps": 0}
 
 
 def resolve_mode(mode: str) -> str:
-    """``auto``: the matmul form for short tails on a CUDA GPU (where the per-shape build is), fused elsewhere."""
-    return choose_form(mode, MODES, "attention mode", on_cuda_form="matmul", elsewhere="fused")
+    """``auto``: on a CUDA GPU the matmul form for short tails and the padded-decode kernel; fused elsewhere."""
+    return choose_form(mode, MODES, "attention mode", on_cuda_form="kernel", elsewhere="fused")
 
 
 def install(model: Any, mode: str) -> str:
-    """Route the model's short multi-token attention by ``mode``; returns the mode in effect."""
+    """Route the model's short multi-token attention by ``mode``; returns the mode in effect.
+
+    ``kernel`` becomes ``matmul`` (logged) where the padded-decode kernel does
+    not build or does not agree with MLX's masked attention (a CPU, Metal).
+    """
     from mlx_lm.models import base
 
-    _state["mode"] = resolve_mode(mode)
+    mode = resolve_mode(mode)
+    if mode == "kernel":
+        ok, why = padded_decode_attention.agrees()
+        if not ok:
+            log.warning("padded_decode_kernel_unavailable", reason=why, using="matmul")
+            mode = "matmul"
+    _state["mode"] = mode
     module_names = {type(layer).__module__ for layer in _submodules(model)}
     for name in module_names:
         module = sys.modules.get(name)
@@ -76,6 +95,11 @@ def install(model: Any, mode: str) -> str:
 def matmul_passes() -> int:
     """How many attention calls took the matmul form (a figure for benchmarks and tests)."""
     return _state["matmul_passes"]
+
+
+def kernel_steps() -> int:
+    """How many attention calls went to the padded-decode kernel (a figure for benchmarks)."""
+    return _state["kernel_steps"]
 
 
 def _submodules(model: Any) -> list[Any]:
@@ -97,6 +121,9 @@ def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=Non
         if sinks is not None:
             raise NotImplementedError("attention sinks over shared stored pieces (no model prefixd serves has them)")
         return batch_prefix_attention(queries, cache.row_keys, cache.row_values, keys, values, scale, mask)
+    if _state["mode"] == "kernel" and padded_decode_attention.applies(queries, keys, values, cache, sinks):
+        _state["kernel_steps"] += 1
+        return padded_decode_attention.attention(queries, keys, values, cache.left_padding, scale)
     if _takes_matmul(queries, keys, cache, sinks):
         _state["matmul_passes"] += 1
         return matmul_attention(queries, keys, values, scale, mask)
@@ -104,7 +131,7 @@ def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=Non
 
 
 def _takes_matmul(queries, keys, cache, sinks) -> bool:
-    if _state["mode"] != "matmul" or sinks is not None or hasattr(cache, "bits"):
+    if _state["mode"] not in ("matmul", "kernel") or sinks is not None or hasattr(cache, "bits"):
         return False
     batch, heads, num_queries, _ = queries.shape
     if num_queries < 2:

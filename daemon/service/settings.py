@@ -278,12 +278,14 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "attention",
-            one_of("auto", "fused", "matmul"),
+            one_of("auto", "fused", "matmul", "kernel"),
             SCHEDULING,
             "attention for short multi-token passes "
-            "(a cache hit's tail): matmul avoids MLX's per-shape cuDNN graph build on CUDA",
+            "(a cache hit's tail): matmul avoids MLX's per-shape cuDNN graph build on CUDA; kernel also "
+            "runs a decode batch's steps over its left-padded rows through prefixd's own CUDA kernel, where "
+            "MLX has no fused kernel for the padding mask (matmul where the kernel does not build)",
             default="auto",
-            note="matmul on a CUDA GPU, fused elsewhere",
+            note="kernel on a CUDA GPU, fused elsewhere",
         ),
         Setting(
             "linear",

@@ -66,3 +66,14 @@ def test_a_left_padded_batch_matches_mlx_attention(loaded):
     plain = answers()
     tail_attention._state["mode"] = "matmul"
     assert routed == plain and all(len(a) == 6 for a in routed)
+
+
+def test_the_padded_decode_kernel_gives_way_to_matmul_where_it_cannot_build(tiny_llama_dir):
+    """``--attention kernel`` on a machine without CUDA: the kernel is checked at load, fails, and matmul serves."""
+    if mx.default_device().type == mx.gpu and not mx.metal.is_available():
+        pytest.skip("on CUDA the kernel builds")
+    try:
+        loaded = load_model(str(tiny_llama_dir), attention="kernel")
+        assert loaded.attention == "matmul"
+    finally:
+        tail_attention._state["mode"] = "fused"

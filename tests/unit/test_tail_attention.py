@@ -59,7 +59,9 @@ def test_router_takes_the_matmul_form_only_for_short_multi_token_passes(monkeypa
     assert len(calls) == 1
 
     monkeypatch.setattr(tail_attention, "MAX_MATMUL_SCORES", 1 << 26)
-    with pytest.raises(Exception):  # a quantized cache goes to mlx-lm's own quantized path (these keys are not quantized)
+    with pytest.raises(
+        Exception
+    ):  # a quantized cache goes to mlx-lm's own quantized path (these keys are not quantized)
         routed_attention(q, k, v, _QuantizedCache(), 0.25, "causal")
     assert len(calls) == 1
 
@@ -74,6 +76,66 @@ def test_fused_mode_never_takes_the_matmul_form(monkeypatch):
 
 def test_modes():
     assert resolve_mode("fused") == "fused" and resolve_mode("matmul") == "matmul"
-    assert resolve_mode("auto") == ("matmul" if mx.default_device().type == mx.gpu and not mx.metal.is_available() else "fused")
-    with pytest.raises(ValueError, match="auto, fused, matmul"):
+    assert resolve_mode("kernel") == "kernel"
+    assert resolve_mode("auto") == (
+        "kernel" if mx.default_device().type == mx.gpu and not mx.metal.is_available() else "fused"
+    )
+    with pytest.raises(ValueError, match="auto, fused, matmul, kernel"):
         resolve_mode("flash")
+
+
+def _padded_batch_cache(lengths: list[int], kv_heads=2, dim=64):
+    """mlx-lm's batch cache holding rows of these lengths, left-padded to the longest (as a decode batch is)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    longest = max(lengths)
+    cache = BatchKVCache([longest - n for n in lengths])
+    mx.random.seed(5)
+    cache.update_and_fetch(
+        mx.random.normal((len(lengths), kv_heads, longest, dim)),
+        mx.random.normal((len(lengths), kv_heads, longest, dim)),
+    )
+    return cache
+
+
+def test_kernel_mode_sends_a_padded_decode_step_and_nothing_else_to_the_kernel(monkeypatch):
+    from prefixd.daemon.models import padded_decode_attention
+
+    monkeypatch.setitem(tail_attention._state, "mode", "kernel")
+    calls = []
+    monkeypatch.setattr(
+        padded_decode_attention, "attention", lambda q, k, v, pads, scale: calls.append(pads.tolist()) or q
+    )
+    cache = _padded_batch_cache([5, 9, 2])
+    keys, values = cache.keys_and_values()
+    step = mx.random.normal((3, 8, 1, 64))
+    mask = (mx.arange(keys.shape[2])[None] >= cache.left_padding[:, None])[:, None, None, :]
+    routed_attention(step, keys, values, cache, 0.125, mask)
+    assert calls == [[4, 0, 7]]  # each row's padding, from the cache
+
+    routed_attention(
+        mx.random.normal((3, 8, 2, 64)), keys, values, cache, 0.125, None
+    )  # two queries: not a decode step
+    routed_attention(step[:1], keys[:1], values[:1], None, 0.125, None)  # a solo cache: MLX's vector kernel
+    routed_attention(step, keys, values, cache, 0.125, mask, sinks=mx.zeros((8,)))  # sinks: MLX's
+    routed_attention(
+        mx.random.normal((3, 8, 1, 32)), keys[..., :32], values[..., :32], cache, 0.125, None
+    )  # head size 32
+    monkeypatch.setitem(tail_attention._state, "mode", "matmul")
+    routed_attention(step, keys, values, cache, 0.125, mask)
+    assert len(calls) == 1
+
+
+def test_the_kernels_reference_is_each_rows_attention_over_its_own_keys():
+    """What the kernel is checked against at install: MLX's attention with each row's padding masked out."""
+    from prefixd.daemon.models import padded_decode_attention
+
+    cache = _padded_batch_cache([5, 9, 2])
+    keys, values = cache.keys_and_values()
+    q = mx.random.normal((3, 8, 1, 64))
+    got = padded_decode_attention.reference(q, keys, values, cache.left_padding, 0.125)
+    for row, pad in enumerate(cache.left_padding.tolist()):
+        alone = mx.fast.scaled_dot_product_attention(
+            q[row : row + 1], keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], scale=0.125
+        )
+        assert mx.allclose(got[row : row + 1], alone, atol=1e-5).item()

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""A decode batch's attention over left-padded rows: MLX's masked attention against prefixd's kernel.
+
+    python bench/probes/padded_decode_probe.py MODEL_DIR [--context 1000] [--steps 40] [--parts call,batch,exact]
+
+daemon/models/padded_decode_attention.py runs a decode step over mlx-lm's
+left-padded batch cache as one CUDA kernel, where MLX falls back to unfused
+operations because of the padding mask. In process, without the daemon, the
+model's linear layers in the daemon's CUDA form (row_linear.py):
+
+* part ``call``: one attention call of a decode step (heads and head size of
+  the model, 1, 4 and 8 rows about ``--context`` keys deep, different
+  padding), MLX with the mask against the kernel: median ms of 50 and the
+  largest difference of the outputs;
+* part ``batch``: a decode step of mlx-lm's BatchGenerator (prefixd's batch)
+  of 1, 2, 4 and 8 rows at different depths, ``--attention matmul`` against
+  ``kernel`` (the daemon's routing, tail_attention.py), alternating, two runs;
+* part ``exact``: 4 rows at different depths decoded together, greedy, 16
+  steps, each form: the largest logit difference from each row decoded alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from prefixd.daemon.models.blas import preload_blas  # noqa: E402
+
+preload_blas()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+
+from batch_step_probe import prefilled_cache, random_prompts  # noqa: E402  (this script's folder is first on sys.path)
+from row_linear_probe import line, set_form  # noqa: E402
+
+from prefixd.daemon.models import padded_decode_attention, tail_attention  # noqa: E402
+
+ROW_COUNTS = (1, 2, 4, 8)
+
+
+def attention_shape(model) -> tuple[int, int, int]:
+    """(query heads, key-value heads, head size) of the model's first attention layer."""
+    attn = next(m for m in model.modules() if hasattr(m, "n_kv_heads") and hasattr(m, "n_heads"))
+    head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
+    return attn.n_heads, attn.n_kv_heads, head_dim
+
+
+def part_call(model, context: int) -> None:
+    heads, kv_heads, head_dim = attention_shape(model)
+    print(f"call: one decode-step attention, {heads} heads / {kv_heads} kv heads / head size {head_dim}, bfloat16")
+    for rows in (1, 4, 8):
+        length = context + 7 * (rows - 1)
+        shape = (rows, kv_heads, length + 200, head_dim)  # a batch cache's buffer is longer than its filled part
+        keys = mx.random.normal(shape, key=mx.random.key(1)).astype(mx.bfloat16)[:, :, :length, :]
+        values = mx.random.normal(shape, key=mx.random.key(2)).astype(mx.bfloat16)[:, :, :length, :]
+        queries = mx.random.normal((rows, heads, 1, head_dim), key=mx.random.key(3)).astype(mx.bfloat16)
+        pads = mx.array([7 * (rows - 1 - i) for i in range(rows)])
+        scale = head_dim**-0.5
+        mx.eval(keys, values, queries)
+        timings = {}
+        outputs = {}
+        for name, fn in (("mlx masked", padded_decode_attention.reference), ("kernel", padded_decode_attention.attention)):
+            outputs[name] = fn(queries, keys, values, pads, scale)
+            mx.eval(outputs[name])
+            samples = []
+            for _ in range(50):
+                started = time.perf_counter()
+                mx.eval(fn(queries, keys, values, pads, scale))
+                samples.append((time.perf_counter() - started) * 1000)
+            timings[name] = statistics.median(samples)
+        diff = mx.max(mx.abs(outputs["kernel"].astype(mx.float32) - outputs["mlx masked"].astype(mx.float32))).item()
+        print(f"  rows {rows}: mlx masked {timings['mlx masked']:.3f} ms, kernel {timings['kernel']:.3f} ms,"
+              f" largest difference {diff:.4g}", flush=True)
+
+
+def set_attention(model, mode: str) -> None:
+    tail_attention.install(model, mode)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--parts", default="call,batch,exact")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    model, tokenizer = load(args.model)
+    set_form(model, "rows")
+    prompt = random_prompts(tokenizer)
+    ok, why = padded_decode_attention.agrees()
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; the kernel {'agrees with MLX' if ok else 'is unavailable: ' + why}")
+    if not ok:
+        return 1
+    if "call" in parts:
+        part_call(model, args.context)
+    if "batch" in parts:
+        for run in range(2):
+            print(f"batch, run {run}: mlx-lm BatchGenerator, rows {args.context}-{args.context + 49} tokens deep, ms per step")
+            for rows in ROW_COUNTS:
+                prompts = [prompt(args.context + 7 * i) for i in range(rows)]
+                for mode in ("matmul", "kernel") if run == 0 else ("kernel", "matmul"):
+                    set_attention(model, mode)
+                    singles = [prefilled_cache(model, [p[:-1]]) for p in prompts]
+                    generator = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64)
+                    generator.insert([p[-1:] for p in prompts], max_tokens=[args.steps + 4] * rows, caches=singles)
+                    before = tail_attention.kernel_steps()
+                    times = []
+                    for _ in range(args.steps):
+                        started = time.perf_counter()
+                        generator.next()
+                        times.append((time.perf_counter() - started) * 1000)
+                    line(f"{mode} ({tail_attention.kernel_steps() - before} kernel calls)", rows, times[2:])
+    if "exact" in parts:
+        print("exact: 4 rows at different depths decoded together vs each alone, greedy, 16 steps; largest |logit difference|")
+        prompts = [prompt(200 + 37 * i) for i in range(4)]
+        for mode in ("matmul", "kernel"):
+            set_attention(model, mode)
+            alone = []
+            for p in prompts:
+                cache = prefilled_cache(model, [p[:-1]])
+                y, logits_alone = mx.array([p[-1]]), []
+                for _ in range(16):
+                    logits = model(y[:, None], cache=cache)[:, -1, :].astype(mx.float32)
+                    logits_alone.append(logits[0])
+                    y = mx.argmax(logits, axis=-1)
+                alone.append(mx.stack(logits_alone))
+            singles = [prefilled_cache(model, [p[:-1]]) for p in prompts]
+            generator = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64)
+            captured = []
+            # The batch's logits, step by step: its sampler sees them (log-softmaxed); each row is fed its alone path.
+            uids = generator.insert([p[-1:] for p in prompts], max_tokens=[17] * 4, caches=singles,
+                                    samplers=[lambda lp, i=i: capture(captured, i, lp, alone) for i in range(4)])
+            for _ in range(16):
+                generator.next()
+            worst, compared = 0.0, 0
+            for i, steps in enumerate(_by_row(captured, len(uids))):
+                reference = alone[i] - mx.logsumexp(alone[i], axis=-1, keepdims=True)
+                for step, logprobs in enumerate(steps[:16]):
+                    worst = max(worst, mx.max(mx.abs(logprobs - reference[step])).item())
+                    compared += 1
+            print(f"  {mode:<7} largest log-probability difference {worst:.6g} over {compared} row-steps", flush=True)
+    return 0
+
+
+def capture(captured: list, row: int, logprobs: mx.array, alone: list) -> mx.array:
+    """Keep a row's log-probabilities and answer with the token that row chose alone at this step."""
+    step = sum(1 for r, _ in captured if r == row)
+    captured.append((row, logprobs[0].astype(mx.float32)))
+    token = mx.argmax(alone[row][min(step, len(alone[row]) - 1)])
+    return token[None]
+
+
+def _by_row(captured: list, rows: int) -> list[list[mx.array]]:
+    out: list[list[mx.array]] = [[] for _ in range(rows)]
+    for row, logprobs in captured:
+        out[row].append(logprobs)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""A decode batch's attention over its left-padded cache, as one CUDA kernel of prefixd's own.
+
+Why: the rows of mlx-lm's batch cache (BatchKVCache) are left-padded to the
+longest, so each decode step hands attention an array mask that hides every
+row's padding. MLX's CUDA backend has no fused kernel for a one-token query
+with an array mask: its vector kernel and cuDNN's decode path both refuse a
+mask (mlx/backend/cuda/scaled_dot_product_attention.cpp,
+``supports_sdpa_vector``, ``use_cudnn_for_decoding``), so every layer of every
+step falls back to a matmul, the mask, a softmax and a second matmul. On an
+H100 a step of 4 padded rows cost 5.4-5.7 ms against 4.5 ms for 4 equal rows
+without a mask (bench/probes/daemon_profile.py, row_linear_probe.py).
+
+Here each row reads its own keys from its first real position: the kernel
+takes the cache's keys and values where they lie (no copy of the slice), the
+query, and each row's left padding, and computes the softmax online (one warp
+per key stride, the warps merged at the end), in float32 as MLX's kernels do.
+One block serves one key-value head of one row and every query head that
+shares it (grouped-query attention).
+
+It is used only where it applies exactly: a one-token query, a plain batch
+cache with left padding alone (no right padding: that exists only inside
+mlx-lm's batched prefill, which prefixd does not use), no attention sinks,
+head sizes 64 or 128. At install (tail_attention.py) it is checked against
+MLX's masked attention on random rows; a kernel that fails to build or
+disagrees is not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+WARPS = 8  # warps per block: each takes every WARPS-th key of the row
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 8  # query heads per key-value head the kernel's registers are sized for
+
+_SOURCE = """
+    constexpr int PER_LANE = D / 32;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int num_kv_heads = k_shape[1];
+    const int num_q_heads = q_shape[1];
+    const int length = k_shape[2];
+    const int row = blockIdx.x / num_kv_heads;
+    const int kv_head = blockIdx.x % num_kv_heads;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const float qk_scale = scale[0];
+    int first = starts[row];
+    first = first < 0 ? 0 : first;
+
+    float query[R][PER_LANE];
+    for (int r = 0; r < R; ++r) {
+        const int64_t base = row * q_strides[0] + (kv_head * R + r) * q_strides[1];
+        for (int i = 0; i < PER_LANE; ++i) {
+            query[r][i] = static_cast<float>(q[base + (lane * PER_LANE + i) * q_strides[3]]) * qk_scale;
+        }
+    }
+    float running_max[R], running_sum[R], acc[R][PER_LANE];
+    for (int r = 0; r < R; ++r) {
+        running_max[r] = NEG_INF;
+        running_sum[r] = 0.0f;
+        for (int i = 0; i < PER_LANE; ++i) acc[r][i] = 0.0f;
+    }
+    const int64_t k_base = row * k_strides[0] + kv_head * k_strides[1];
+    const int64_t v_base = row * v_strides[0] + kv_head * v_strides[1];
+    for (int t = first + warp; t < length; t += W) {
+        float key[PER_LANE], value[PER_LANE];
+        for (int i = 0; i < PER_LANE; ++i) {
+            key[i] = static_cast<float>(k[k_base + t * k_strides[2] + (lane * PER_LANE + i) * k_strides[3]]);
+            value[i] = static_cast<float>(v[v_base + t * v_strides[2] + (lane * PER_LANE + i) * v_strides[3]]);
+        }
+        for (int r = 0; r < R; ++r) {
+            float score = 0.0f;
+            for (int i = 0; i < PER_LANE; ++i) score += query[r][i] * key[i];
+            for (int offset = 16; offset > 0; offset >>= 1) score += __shfl_xor_sync(0xffffffff, score, offset);
+            const float new_max = fmaxf(running_max[r], score);
+            const float rescale = expf(running_max[r] - new_max);
+            const float weight = expf(score - new_max);
+            running_sum[r] = running_sum[r] * rescale + weight;
+            for (int i = 0; i < PER_LANE; ++i) acc[r][i] = acc[r][i] * rescale + weight * value[i];
+            running_max[r] = new_max;
+        }
+    }
+
+    __shared__ float warp_max[W][R];
+    __shared__ float warp_sum[W][R];
+    __shared__ float warp_acc[W][R][D];
+    for (int r = 0; r < R; ++r) {
+        if (lane == 0) {
+            warp_max[warp][r] = running_max[r];
+            warp_sum[warp][r] = running_sum[r];
+        }
+        for (int i = 0; i < PER_LANE; ++i) warp_acc[warp][r][lane * PER_LANE + i] = acc[r][i];
+    }
+    __syncthreads();
+    for (int index = threadIdx.x; index < R * D; index += W * 32) {
+        const int r = index / D;
+        const int d = index % D;
+        float overall_max = NEG_INF;
+        for (int w = 0; w < W; ++w) overall_max = fmaxf(overall_max, warp_max[w][r]);
+        float total = 0.0f, weighted = 0.0f;
+        for (int w = 0; w < W; ++w) {
+            if (warp_max[w][r] == NEG_INF) continue;  // this warp saw no key of the row
+            const float factor = expf(warp_max[w][r] - overall_max);
+            total += warp_sum[w][r] * factor;
+            weighted += warp_acc[w][r][d] * factor;
+        }
+        const int64_t at = ((int64_t)row * num_q_heads + kv_head * R + r) * D + d;
+        out[at] = static_cast<T>(total > 0.0f ? weighted / total : 0.0f);
+    }
+"""
+
+_kernel: list[Any] = []  # built once per process
+
+
+def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sinks: Any) -> bool:
+    """Whether this attention call is a decode step over a plain left-padded batch cache that the kernel serves."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    if sinks is not None or queries.shape[2] != 1 or not isinstance(cache, BatchKVCache):
+        return False
+    if getattr(cache, "_right_padding", None) is not None or hasattr(cache, "bits"):
+        return False
+    head_dim = queries.shape[-1]
+    num_heads, num_kv_heads = queries.shape[1], keys.shape[1]
+    return (
+        head_dim in HEAD_DIMS
+        and keys.shape[-1] == values.shape[-1] == head_dim
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array, scale: float) -> mx.array:
+    """softmax(q k^T * scale) v for each row over its keys from ``left_padding[row]`` on; q is (B, H, 1, D)."""
+    if not _kernel:
+        _kernel.append(
+            mx.fast.cuda_kernel(
+                name="prefixd_padded_decode_attention",
+                input_names=["q", "k", "v", "starts", "scale"],
+                output_names=["out"],
+                source=_SOURCE,
+                ensure_row_contiguous=False,  # the cache's keys are a slice of its buffer: read where they lie
+            )
+        )
+    batch, num_heads, _, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    (out,) = _kernel[0](
+        inputs=[queries, keys, values, left_padding.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("D", head_dim), ("R", num_heads // num_kv_heads), ("W", WARPS)],
+        grid=(batch * num_kv_heads * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(batch, num_heads, 1, head_dim)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+def reference(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array, scale: float) -> mx.array:
+    """What MLX computes for the same call: its attention with the padding masked out."""
+    positions = mx.arange(keys.shape[2])
+    mask = (positions[None, :] >= left_padding[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def agrees(dtype: mx.Dtype = mx.bfloat16) -> tuple[bool, str]:
+    """Whether the kernel builds here and matches MLX's masked attention on random rows: (ok, why not)."""
+    try:
+        for head_dim, heads, kv_heads in ((128, 16, 8), (64, 9, 3)):
+            # A cache buffer longer than its filled part, so keys and values are strided slices as in a batch.
+            shape = (3, kv_heads, 320, head_dim)
+            keys = mx.random.normal(shape, key=mx.random.key(1)).astype(dtype)[:, :, :301, :]
+            values = mx.random.normal(shape, key=mx.random.key(2)).astype(dtype)[:, :, :301, :]
+            queries = mx.random.normal((3, 1, heads, head_dim), key=mx.random.key(3)).astype(dtype).swapaxes(1, 2)
+            left_padding = mx.array([0, 17, 290])
+            scale = head_dim**-0.5
+            got = attention(queries, keys, values, left_padding, scale).astype(mx.float32)
+            wanted = reference(queries, keys, values, left_padding, scale).astype(mx.float32)
+            worst = mx.max(mx.abs(got - wanted)).item()
+            if not worst <= 2e-2:
+                return False, f"differs from MLX's masked attention by {worst:.3g} (head size {head_dim})"
+        return True, ""
+    except Exception as exc:  # no CUDA, NVRTC missing, a changed kernel API: MLX's own attention serves
+        return False, f"{type(exc).__name__}: {exc}"
