@@ -22,6 +22,7 @@ model's linear layers in the daemon's CUDA form (row_linear.py):
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -66,7 +67,9 @@ def part_call(model, context: int) -> None:
         mx.eval(keys, values, queries)
         timings = {}
         outputs = {}
-        for name, fn in (("mlx masked", padded_decode_attention.reference), ("kernel", padded_decode_attention.attention)):
+        forms = [("mlx masked", padded_decode_attention.reference), ("kernel", padded_decode_attention.attention)]
+        forms += [(f"kernel, {w} warps", functools.partial(padded_decode_attention.attention, warps=w)) for w in (4, 16, 32)]
+        for name, fn in forms:
             outputs[name] = fn(queries, keys, values, pads, scale)
             mx.eval(outputs[name])
             samples = []
@@ -76,8 +79,9 @@ def part_call(model, context: int) -> None:
                 samples.append((time.perf_counter() - started) * 1000)
             timings[name] = statistics.median(samples)
         diff = mx.max(mx.abs(outputs["kernel"].astype(mx.float32) - outputs["mlx masked"].astype(mx.float32))).item()
-        print(f"  rows {rows}: mlx masked {timings['mlx masked']:.3f} ms, kernel {timings['kernel']:.3f} ms,"
-              f" largest difference {diff:.4g}", flush=True)
+        others = ", ".join(f"{name} {ms:.3f}" for name, ms in timings.items() if name.startswith("kernel, "))
+        print(f"  rows {rows}: mlx masked {timings['mlx masked']:.3f} ms, kernel ({padded_decode_attention.WARPS} warps)"
+              f" {timings['kernel']:.3f} ms, largest difference {diff:.4g}; {others}", flush=True)
 
 
 def set_attention(model, mode: str) -> None:

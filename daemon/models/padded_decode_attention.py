@@ -132,7 +132,9 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sin
     )
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array, scale: float) -> mx.array:
+def attention(
+    queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array, scale: float, warps: int = WARPS
+) -> mx.array:
     """softmax(q k^T * scale) v for each row over its keys from ``left_padding[row]`` on; q is (B, H, 1, D)."""
     if not _kernel:
         _kernel.append(
@@ -148,9 +150,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, left_padding:
     num_kv_heads = keys.shape[1]
     (out,) = _kernel[0](
         inputs=[queries, keys, values, left_padding.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
-        template=[("T", queries.dtype), ("D", head_dim), ("R", num_heads // num_kv_heads), ("W", WARPS)],
-        grid=(batch * num_kv_heads * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        template=[("T", queries.dtype), ("D", head_dim), ("R", num_heads // num_kv_heads), ("W", warps)],
+        grid=(batch * num_kv_heads * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(batch, num_heads, 1, head_dim)],
         output_dtypes=[queries.dtype],
     )
