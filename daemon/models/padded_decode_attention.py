@@ -112,24 +112,30 @@ _SOURCE = """
 """
 
 _kernel: list[Any] = []  # built once per process
+# (head size, query heads per key-value head, dtype) variants checked against MLX in this process.
+_checked: set[tuple[int, int, Any]] = set()
 
 
 def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sinks: Any) -> bool:
-    """Whether this attention call is a decode step over a plain left-padded batch cache that the kernel serves."""
+    """Whether this attention call is a decode step over a plain left-padded batch cache that the kernel serves.
+
+    Only variants checked at load (agrees) qualify, so a live step never builds one.
+    """
     from mlx_lm.models.cache import BatchKVCache
 
     if sinks is not None or queries.shape[2] != 1 or not isinstance(cache, BatchKVCache):
         return False
     if getattr(cache, "_right_padding", None) is not None or hasattr(cache, "bits"):
         return False
-    head_dim = queries.shape[-1]
-    num_heads, num_kv_heads = queries.shape[1], keys.shape[1]
-    return (
-        head_dim in HEAD_DIMS
-        and keys.shape[-1] == values.shape[-1] == head_dim
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
-    )
+    head_dim, num_heads, num_kv_heads = queries.shape[-1], queries.shape[1], keys.shape[1]
+    if keys.shape[-1] != head_dim or values.shape[-1] != head_dim or num_heads % num_kv_heads:
+        return False
+    return (head_dim, num_heads // num_kv_heads, queries.dtype) in _checked
+
+
+def variant(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel is written for this attention shape (head size, query heads per key-value head)."""
+    return head_dim in HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
 
 
 def attention(
@@ -166,10 +172,19 @@ def reference(queries: mx.array, keys: mx.array, values: mx.array, left_padding:
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def agrees(dtype: mx.Dtype = mx.bfloat16) -> tuple[bool, str]:
-    """Whether the kernel builds here and matches MLX's masked attention on random rows: (ok, why not)."""
+def agrees(shapes: list[tuple[int, int, int]] | None = None, dtype: mx.Dtype = mx.bfloat16) -> tuple[bool, str]:
+    """Whether the kernel builds here and matches MLX's masked attention on random rows: (ok, why not).
+
+    ``shapes``: the model's (query heads, key-value heads, head size), each
+    built and checked now in ``dtype`` (the model's), so that no decode step
+    builds one; by default two shapes of the benchmark models. A shape the
+    kernel is not written for is left to MLX (applies() turns it down).
+    """
+    shapes = [s for s in (shapes or [(16, 8, 128), (9, 3, 64)]) if variant(*s)]
+    if not shapes:
+        return False, "no attention shape of the model is one the kernel is written for"
     try:
-        for head_dim, heads, kv_heads in ((128, 16, 8), (64, 9, 3)):
+        for heads, kv_heads, head_dim in shapes:
             # A cache buffer longer than its filled part, so keys and values are strided slices as in a batch.
             shape = (3, kv_heads, 320, head_dim)
             keys = mx.random.normal(shape, key=mx.random.key(1)).astype(dtype)[:, :, :301, :]
@@ -182,6 +197,23 @@ def agrees(dtype: mx.Dtype = mx.bfloat16) -> tuple[bool, str]:
             worst = mx.max(mx.abs(got - wanted)).item()
             if not worst <= 2e-2:
                 return False, f"differs from MLX's masked attention by {worst:.3g} (head size {head_dim})"
+            _checked.add((head_dim, heads // kv_heads, dtype))
         return True, ""
     except Exception as exc:  # no CUDA, NVRTC missing, a changed kernel API: MLX's own attention serves
         return False, f"{type(exc).__name__}: {exc}"
+
+
+def attention_shapes(model: Any) -> list[tuple[int, int, int]]:
+    """(query heads, key-value heads, head size) of the model's attention layers, as far as they tell."""
+    shapes = set()
+    for module in model.modules():
+        heads, kv_heads = getattr(module, "n_heads", None), getattr(module, "n_kv_heads", None)
+        if not isinstance(heads, int) or not isinstance(kv_heads, int) or not kv_heads:
+            continue
+        head_dim = getattr(module, "head_dim", None)
+        scale = getattr(module, "scale", None)
+        if not isinstance(head_dim, int) and isinstance(scale, float) and scale > 0:
+            head_dim = round(scale**-2)
+        if isinstance(head_dim, int):
+            shapes.add((heads, kv_heads, head_dim))
+    return sorted(shapes)

@@ -78,7 +78,8 @@ def install(model: Any, mode: str) -> str:
 
     mode = resolve_mode(mode)
     if mode == "kernel":
-        ok, why = padded_decode_attention.agrees()
+        shapes = padded_decode_attention.attention_shapes(model)
+        ok, why = padded_decode_attention.agrees(shapes or None, _model_dtype(model))
         if not ok:
             log.warning("padded_decode_kernel_unavailable", reason=why, using="matmul")
             mode = "matmul"
@@ -95,6 +96,16 @@ def install(model: Any, mode: str) -> str:
 def matmul_passes() -> int:
     """How many attention calls took the matmul form (a figure for benchmarks and tests)."""
     return _state["matmul_passes"]
+
+
+def _model_dtype(model: Any) -> mx.Dtype:
+    """The dtype the model's activations (and so its queries) take: its first floating parameter's."""
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
 
 
 def kernel_steps() -> int:

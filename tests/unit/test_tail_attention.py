@@ -102,6 +102,7 @@ def test_kernel_mode_sends_a_padded_decode_step_and_nothing_else_to_the_kernel(m
     from prefixd.daemon.models import padded_decode_attention
 
     monkeypatch.setitem(tail_attention._state, "mode", "kernel")
+    monkeypatch.setattr(padded_decode_attention, "_checked", {(64, 4, mx.float32)})  # as agrees() leaves it
     calls = []
     monkeypatch.setattr(
         padded_decode_attention, "attention", lambda q, k, v, pads, scale: calls.append(pads.tolist()) or q
@@ -121,6 +122,7 @@ def test_kernel_mode_sends_a_padded_decode_step_and_nothing_else_to_the_kernel(m
     routed_attention(
         mx.random.normal((3, 8, 1, 32)), keys[..., :32], values[..., :32], cache, 0.125, None
     )  # head size 32
+    routed_attention(step.astype(mx.bfloat16), keys, values, cache, 0.125, mask)  # a variant not checked at load
     monkeypatch.setitem(tail_attention._state, "mode", "matmul")
     routed_attention(step, keys, values, cache, 0.125, mask)
     assert len(calls) == 1
@@ -139,3 +141,14 @@ def test_the_kernels_reference_is_each_rows_attention_over_its_own_keys():
             q[row : row + 1], keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], scale=0.125
         )
         assert mx.allclose(got[row : row + 1], alone, atol=1e-5).item()
+
+
+def test_the_kernel_is_checked_at_load_for_the_models_own_attention_shapes():
+    """Each shape is built and checked at load (none is built in a live step); shapes it is not written for are skipped."""
+    from prefixd.daemon.models import padded_decode_attention
+
+    assert padded_decode_attention.variant(16, 8, 128) and padded_decode_attention.variant(9, 3, 64)
+    assert not padded_decode_attention.variant(16, 8, 96)  # head size
+    assert not padded_decode_attention.variant(32, 2, 128)  # 16 query heads a key-value head
+    ok, why = padded_decode_attention.agrees([(16, 8, 96)])
+    assert not ok and "written for" in why
