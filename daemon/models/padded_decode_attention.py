@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 WARPS = 8  # warps per block: each takes every WARPS-th key of the row
 HEAD_DIMS = (64, 128)
@@ -112,6 +113,8 @@ _SOURCE = """
 """
 
 _kernel: list[Any] = []  # built once per process
+# The scale as the kernel's input, one array per value: made once, not per layer and step.
+_scales: dict[float, mx.array] = {}
 # (head size, query heads per key-value head, dtype) variants checked against MLX in this process.
 _checked: set[tuple[int, int, Any]] = set()
 
@@ -121,8 +124,6 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sin
 
     Only variants checked at load (agrees) qualify, so a live step never builds one.
     """
-    from mlx_lm.models.cache import BatchKVCache
-
     if sinks is not None or queries.shape[2] != 1 or not isinstance(cache, BatchKVCache):
         return False
     if getattr(cache, "_right_padding", None) is not None or hasattr(cache, "bits"):
@@ -154,8 +155,13 @@ def attention(
         )
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = keys.shape[1]
+    # mlx-lm's batch cache keeps its padding as int32 already: no conversion per layer and step.
+    starts = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
+    scale_input = _scales.get(scale)
+    if scale_input is None:
+        scale_input = _scales[scale] = mx.array([scale], dtype=mx.float32)
     (out,) = _kernel[0](
-        inputs=[queries, keys, values, left_padding.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+        inputs=[queries, keys, values, starts, scale_input],
         template=[("T", queries.dtype), ("D", head_dim), ("R", num_heads // num_kv_heads), ("W", warps)],
         grid=(batch * num_kv_heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
