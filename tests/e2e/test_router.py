@@ -58,6 +58,18 @@ def _chat(fleet: Fleet, tenant: int, question: str, max_tokens: int = 4, timeout
         return err.code, json.loads(err.read()), err.headers.get(ROUTED_WORKER_HEADER)
 
 
+def _wait_until_answering(fleet: Fleet, threads: list[threading.Thread], timeout: float = 30) -> None:
+    """Until the daemons run one request for each of ``threads`` not yet done, as the router has seen them start."""
+    deadline = time.monotonic() + timeout
+    while sum(_in_flight(d.loads()) for d in fleet.daemons) < sum(t.is_alive() for t in threads):
+        assert time.monotonic() < deadline, "a request never started"
+        time.sleep(0.02)
+
+
+def _in_flight(loads: dict) -> int:
+    return loads["loads"][0]["num_running_reqs"] + loads["loads"][0]["num_waiting_reqs"]
+
+
 # -- the routes a router reads, on one daemon ---------------------------------------------------------------------
 
 
@@ -96,13 +108,20 @@ def test_loads_count_a_running_request_and_its_kv(tiny_llama_dir, tmp_path):
 @needs_smg
 def test_a_shared_prefix_lands_on_the_daemon_that_holds_it(tiny_llama_dir, tmp_path):
     with Fleet(tiny_llama_dir, tmp_path, 2, "cache_aware", 256 * MIB) as fleet:
-        # Four tenants arrive at once, with answers long enough to be in flight together: smg places a prefix
-        # nobody holds on the daemon with the lowest expected wait (its polled load plus what the router sent it
-        # since; before the first poll, its requests in flight), so the four spread over both daemons. (Answers
-        # of a few tokens would end before the next arrives, and an unpolled fleet's ties are drawn at random.)
-        with ThreadPoolExecutor(4) as pool:
-            firsts = list(pool.map(lambda tenant: _chat(fleet, tenant, f"First question of tenant {tenant}?", 300),
-                                   range(4)))
+        # Four tenants arrive one after another, each while the one before is still answering: smg places a prefix
+        # nobody holds on the daemon with the least load (the requests it sent there and has not seen end, and the
+        # loads it polls), ties to the first daemon. Sent all at once, they would race smg's own count: under load
+        # every one of them could see both daemons idle and go to the first (CI saw that once).
+        firsts: list = [None] * 4
+        answering = []
+        for tenant in range(4):
+            def first_question(tenant=tenant):
+                firsts[tenant] = _chat(fleet, tenant, f"First question of tenant {tenant}?", 300)
+            answering.append(threading.Thread(target=first_question))
+            answering[-1].start()
+            _wait_until_answering(fleet, answering)
+        for thread in answering:
+            thread.join(120)
         home: dict[int, str] = {}
         for tenant, (status, reply, worker) in enumerate(firsts):
             assert status == 200, reply
