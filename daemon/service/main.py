@@ -104,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..distributed.settings import DistributedStartError, launcher_rank, started_by_launcher
 
     if args.ranks > 1 and not started_by_launcher():
-        from .ranks import launch_ranks
+        from .logs import configure_logging
+        from .rank_launcher import launch_ranks
 
-        launch_ranks(args.ranks, args.distributed_backend, argv)
+        configure_logging(args.log_format, args.log_level)
+        return launch_ranks(args.ranks, args.distributed_backend, argv)
     if started_by_launcher():  # ranks sharing a host share its cores: before the BLAS starts its threads
         from ..distributed.cpu_threads import share_cpu_threads
 

@@ -1,67 +1,22 @@
 """One daemon across several processes (ranks): ``prefixd serve --ranks N`` and a rank's own start.
 
-``--ranks N`` (N > 1) in a process that mlx.launch did not start replaces it
-with ``mlx.launch -n N`` running the same command line on N local ranks; on
-several machines or GPUs run mlx.launch yourself with a hostfile (docs/scaling.md,
-*One daemon across several processes*). In a process mlx.launch started, the engine takes its
-inputs from the lock-step of the ranks (daemon/distributed/): rank 0 serves, the others follow.
+``--ranks N`` (N > 1) in a process that no launcher started runs the same command
+line on N local ranks (rank_launcher.py); on several machines or GPUs run
+mlx.launch yourself with a hostfile (docs/scaling.md, *One daemon across several
+processes*). In a process a launcher started, the engine takes its inputs from
+the lock-step of the ranks (daemon/distributed/): rank 0 serves, the others follow.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import shutil
-import socket
-import sys
-from pathlib import Path
 
 from ..distributed.lockstep import LockstepInputs
 from ..distributed.settings import DistributedSettings
 from ..engine.engine import Engine
 from ..engine.inbox import Inbox
 from .server import ServerSettings
-
-
-def launch_ranks(num_ranks: int, backend: str, argv: list[str]) -> None:
-    """Become ``mlx.launch`` running this same command on ``num_ranks`` local ranks (never returns)."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    launcher = str(launcher) if launcher.is_file() else shutil.which("mlx.launch")
-    if launcher is None:
-        raise FileNotFoundError("--ranks needs MLX's launcher, mlx.launch, beside this Python or on PATH")
-    backend_args = [] if backend == "any" else ["--backend", backend]
-    # The ring backend listens on one port per rank, from 32323 by default: two daemons on one
-    # machine would collide there, so each takes ports that are free now.
-    port_args = ["-p", str(free_port_range(num_ranks))]
-    os.execv(
-        launcher,
-        [
-            launcher,
-            "-n",
-            str(num_ranks),
-            *backend_args,
-            *port_args,
-            "--python",
-            sys.executable,
-            "-m",
-            "prefixd.daemon",
-            *argv,
-        ],
-    )
-
-
-def free_port_range(num_ports: int, first: int = 32323, last: int = 60000) -> int:
-    """The first of ``num_ports`` consecutive loopback ports that are free now, from ``first`` on."""
-    for start in range(first, last, num_ports):
-        try:
-            for port in range(start, start + num_ports):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return start
-    raise OSError(f"no {num_ports} consecutive free ports between {first} and {last} for the ranks")
 
 
 def distributed_engine(settings: ServerSettings, args: argparse.Namespace) -> Engine:

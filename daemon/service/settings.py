@@ -423,8 +423,8 @@ SETTINGS: dict[str, Setting] = {
             "ranks",
             whole(1),
             RANKS,
-            "run N ranks on this machine through mlx.launch, each with its shard of "
-            "the model; see the README, Several processes",
+            "run N ranks on this machine, each with its shard of the model (over the "
+            "ring backend prefixd starts them, others through mlx.launch); see docs/scaling.md",
             default=1,
         ),
         Setting(
@@ -433,7 +433,7 @@ SETTINGS: dict[str, Setting] = {
             RANKS,
             "MLX's backend between ranks",
             default="any",
-            note="what mlx.launch set up",
+            note="what the launcher set up",
         ),
         Setting(
             "rank_timeout",

@@ -1,11 +1,13 @@
-"""A prefixd daemon across several local ranks: ``mlx.launch -n N --backend ring`` over loopback.
+"""A prefixd daemon across several local ranks over the ring backend on loopback.
 
-``RankedDaemon`` is a ``DaemonProcess`` whose process is MLX's launcher: it
-runs ``python -m prefixd.daemon ...`` once per rank (rank 0 serves the socket,
-the others follow). The ranks' pids come from their ``rank_ready`` log lines;
-``stop()`` sends SIGTERM to rank 0, which stops the others, and the launcher
-then exits. Each daemon gets ring ports of its own, so tests and benchmarks
-running at the same time do not meet.
+``RankedDaemon`` is a ``DaemonProcess`` whose process is a launcher: by default
+``prefixd serve --ranks N`` (its own launcher, daemon/service/rank_launcher.py),
+or ``mlx.launch -n N --backend ring`` (``launcher="mlx"``, how a set-up across
+machines starts it). Either runs ``python -m prefixd.daemon ...`` once per rank
+(rank 0 serves the socket, the others follow). The ranks' pids come from their
+``rank_ready`` log lines; ``stop()`` sends SIGTERM to rank 0, which stops the
+others, and the launcher then exits. Each daemon gets ring ports of its own, so
+tests and benchmarks running at the same time do not meet.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from prefixd.daemon.service.ranks import free_port_range
+from prefixd.daemon.service.rank_launcher import free_port_range
 from tests.e2e.daemon_process import DaemonProcess
 
 
@@ -32,13 +34,15 @@ def launch_command(num_ranks: int, port: int, command: list[str]) -> list[str]:
 
 class RankedDaemon(DaemonProcess):
     def __init__(self, model_dirs: Iterable[Path], workdir: Path, num_ranks: int = 2,
-                 extra_args: Iterable[str] = (), through_ranks_flag: bool = False):
+                 extra_args: Iterable[str] = (), launcher: str = "prefixd"):
         super().__init__(model_dirs, workdir, ["--rank-timeout", "30", *extra_args])
         self.num_ranks = num_ranks
-        if through_ranks_flag:  # prefixd serve --ranks N execs mlx.launch itself
+        if launcher == "prefixd":  # prefixd serve --ranks N launches its ranks itself
             self.args = [*self.args, "--ranks", str(num_ranks), "--distributed-backend", "ring"]
-        else:
+        elif launcher == "mlx":
             self.args = launch_command(num_ranks, free_port_range(num_ranks), self.args)
+        else:
+            raise ValueError(f"unknown launcher {launcher!r}: prefixd or mlx")
 
     def start(self, timeout: float = 120.0) -> None:
         super().start(timeout)

@@ -1,4 +1,4 @@
-"""One prefixd across several ranks (mlx.launch, ring backend over loopback, CPU), seen from its clients.
+"""One prefixd across several ranks (--ranks N, ring backend over loopback, CPU), seen from its clients.
 
 What a user notices: the same greedy answers as one process, a repeated
 prompt reused whole with the same answer, the cache map in every reply,
@@ -154,10 +154,11 @@ def test_concurrent_sessions_cancellation_and_pins(one_process, two_ranks):
         victim_conn.close()
 
 
-def test_prefixd_serve_ranks_runs_the_launcher_itself(tiny_llama_dir, tmp_path):
-    with RankedDaemon([tiny_llama_dir], tmp_path / "flag", num_ranks=2, through_ranks_flag=True) as daemon:
+def test_ranks_started_by_mlx_launch_serve_as_well(tiny_llama_dir, tmp_path):
+    # The other tests start their ranks with `prefixd serve --ranks N`; across machines, mlx.launch starts them.
+    with RankedDaemon([tiny_llama_dir], tmp_path / "mlx", num_ranks=2, launcher="mlx") as daemon:
         with RawConnection(daemon.socket_path) as conn:
-            assert generate(conn, {"prompt": "started with --ranks 2", "max_tokens": 4})["usage"]["completion_tokens"] > 0
+            assert generate(conn, {"prompt": "started by mlx.launch", "max_tokens": 4})["usage"]["completion_tokens"] > 0
         assert daemon.rank_pid(0) != daemon.rank_pid(1)
 
 
@@ -220,7 +221,7 @@ def test_killing_a_rank_ends_the_daemon_with_a_clear_error(model_fixture, parall
         message = response[2]["message"]
         assert "another rank exited or lost its connection" in message or "stopped answering" in message, message
         assert time.monotonic() - killed_at < 15
-        daemon.wait(timeout=30)  # rank 0 exits (mlx.launch stops the other ranks when one fails), then the launcher
+        daemon.wait(timeout=30)  # rank 0 exits (the launcher stops the other ranks when one fails), then the launcher
         assert not daemon.answers_ping()
     finally:
         daemon.kill()
@@ -264,7 +265,7 @@ def test_a_rank_with_another_model_is_refused_at_start(tiny_llama_dir, tmp_path)
         "import os, runpy, sys\n"
         f"if os.environ['MLX_RANK'] == '1':\n    sys.argv = [{str(other)!r} if a == {str(tiny_llama_dir)!r} else a for a in sys.argv]\n"
         "runpy.run_module('prefixd.daemon', run_name='__main__')\n")
-    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "mismatch", num_ranks=2)
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "mismatch", num_ranks=2, launcher="mlx")  # its --python
     command = daemon_command([tiny_llama_dir], daemon.socket_path, ["--rank-timeout", "30"])
     daemon.args = daemon.args[: daemon.args.index("--python") + 2] + [str(wrapper), *command[3:]]
     with pytest.raises(RuntimeError, match="exited"):
