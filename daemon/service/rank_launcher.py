@@ -77,7 +77,9 @@ class RankSupervisor:
 
     def start(self) -> None:
         for command, environment in zip(self.commands, self.environments):
-            self.procs.append(subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent))
+            # A process group of its own: a Ctrl-C in the terminal reaches the launcher alone, which passes it
+            # to rank 0 once (rank 0 takes a second SIGINT as "exit now").
+            self.procs.append(subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent, process_group=0))
         self.log("ranks_started", pids=[proc.pid for proc in self.procs])
 
     def forward(self, signum: int) -> None:
@@ -100,9 +102,8 @@ class RankSupervisor:
                     self._signal_rank(rank, signal.SIGKILL)
                 self._stop_deadline = float("inf")  # killed: only reaping is left
             time.sleep(POLL_S)
-        if self.first_failure is not None:
-            return self.exit_codes[self.first_failure]
-        return self.exit_codes.get(0, 0)
+        code = self.exit_codes[self.first_failure] if self.first_failure is not None else self.exit_codes.get(0, 0)
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
     def _reap_one(self) -> bool:
         try:

@@ -99,6 +99,14 @@ def test_a_failed_rank_stops_rank_0_kills_the_rest_and_sets_the_exit_status(tmp_
     assert ("rank_killed", {"rank": 2, "after_s": 0.5}) in events
 
 
+def test_a_rank_killed_by_a_signal_gives_the_shell_s_status(tmp_path):
+    supervisor, events = _supervisor(tmp_path, 2)
+    supervisor.start()
+    pids = {r["rank"]: r["pid"] for r in _wait_for_files(tmp_path, 2)}
+    os.kill(pids[1], signal.SIGKILL)
+    assert supervisor.run() == 128 + signal.SIGKILL
+
+
 def test_a_stop_signal_goes_to_rank_0_and_followers_left_behind_are_killed(tmp_path):
     supervisor, events = _supervisor(tmp_path, 2)
     supervisor.start()
