@@ -11,6 +11,7 @@ returns (a rank that stopped answering) is the watchdog's (watchdog.py).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import mlx.core as mx
 
@@ -46,10 +47,13 @@ class RanksDiverged(RankLost):
 
 
 class Channel:
-    def __init__(self, group: mx.distributed.Group):
+    def __init__(self, group: mx.distributed.Group, doorbell: Any = None):
+        """``doorbell``: a doorbell.Doorbell where the launcher made one (a follower then waits for each
+        exchange asleep on it, rather than polling inside the collective)."""
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
+        self.doorbell = doorbell
 
     @property
     def is_leader(self) -> bool:
@@ -64,6 +68,8 @@ class Channel:
         iteration's inputs are about 150 bytes). A larger payload takes a
         second ``all_sum``.
         """
+        if self.doorbell is not None:
+            self.doorbell.ring() if self.is_leader else self.doorbell.wait()
         payload = payload or b""
         head = 8 * (1 + self.size)
         buffer = bytearray(head + INLINE_BYTES)

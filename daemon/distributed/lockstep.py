@@ -36,6 +36,7 @@ from ..engine.engine import DEFAULT_PREFILL_RATE
 from ..engine.inbox import Inbox
 from ..engine.jobs import DONE, FAILED, GenerateJob
 from .channel import Channel, RankLost, RanksDiverged, is_collective_failure
+from .doorbell import Doorbell
 from .handshake import check_peers, code_version, config_digest
 from .lockstep_controls import LockstepControls
 from .messages import IterationInputs, JobSpec, StoreOp
@@ -89,7 +90,8 @@ class LockstepInputs:
         self.watchdog.start()
         self.watchdog.arm(self.settings.load_timeout_seconds, "connecting the ranks and loading the models")
         try:
-            self.channel = Channel(mx.distributed.init(strict=True, backend=self.settings.backend))
+            group = mx.distributed.init(strict=True, backend=self.settings.backend)
+            self.channel = Channel(group, Doorbell.from_environment(group.rank(), group.size()))
             # Model paths may differ between machines; what they hold may not (configs now, weights below).
             settings = {
                 f"--{key.replace('_', '-')}": value

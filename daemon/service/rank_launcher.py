@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+# What distributed/doorbell.py reads (the names only: importing it would import MLX into the launcher).
+DOORBELL_LEADER_ENV = "PREFIXD_RANK_DOORBELLS"
+DOORBELL_FOLLOWER_ENV = "PREFIXD_RANK_DOORBELL"
 # How long the other ranks may take to stop once rank 0 was asked to (its --shutdown-grace is
 # separate: this counts from rank 0's exit, or from a failure when rank 0 is the one still up).
 STOP_GRACE_S = 15.0
@@ -69,6 +72,7 @@ class RankSupervisor:
     commands: list[list[str]]
     environments: list[dict[str, str]]
     log: Callable[..., None]
+    pass_fds: list[tuple[int, ...]] = field(default_factory=list)  # per rank: descriptors it inherits
     stop_grace_s: float = STOP_GRACE_S
     procs: list[subprocess.Popen] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)  # rank -> os.waitstatus_to_exitcode
@@ -76,10 +80,13 @@ class RankSupervisor:
     _stop_deadline: float | None = None
 
     def start(self) -> None:
-        for command, environment in zip(self.commands, self.environments):
+        for rank, (command, environment) in enumerate(zip(self.commands, self.environments)):
+            fds = self.pass_fds[rank] if rank < len(self.pass_fds) else ()
             # A process group of its own: a Ctrl-C in the terminal reaches the launcher alone, which passes it
             # to rank 0 once (rank 0 takes a second SIGINT as "exit now").
-            self.procs.append(subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent, process_group=0))
+            self.procs.append(
+                subprocess.Popen(command, env=environment, pass_fds=fds, preexec_fn=_die_with_parent, process_group=0)
+            )
         self.log("ranks_started", pids=[proc.pid for proc in self.procs])
 
     def forward(self, signum: int) -> None:
@@ -144,18 +151,26 @@ def run_local_ring(num_ranks: int, first_port: int, command: list[str], log: Cal
     """Run ``command`` as ``num_ranks`` ring ranks on this host until they end; their status."""
     with tempfile.NamedTemporaryFile("w", prefix="prefixd-ring-", suffix=".json", delete=False) as hostfile:
         json.dump(ring_hostfile(first_port, num_ranks), hostfile)
+    # One doorbell pipe per follower (distributed/doorbell.py): rank 0 holds every write end, each follower
+    # the read end of its own; the launcher closes its copies once the ranks hold theirs.
+    pipes = [os.pipe() for _ in range(num_ranks - 1)]
+    environments = [rank_environment(dict(os.environ), rank, hostfile.name) for rank in range(num_ranks)]
+    environments[0][DOORBELL_LEADER_ENV] = ",".join(str(write) for _, write in pipes)
+    for rank, (read, _) in enumerate(pipes, start=1):
+        environments[rank][DOORBELL_FOLLOWER_ENV] = str(read)
+    pass_fds = [tuple(write for _, write in pipes)] + [(read,) for read, _ in pipes]
     try:
-        supervisor = RankSupervisor(
-            [command] * num_ranks,
-            [rank_environment(dict(os.environ), rank, hostfile.name) for rank in range(num_ranks)],
-            log,
-        )
+        supervisor = RankSupervisor([command] * num_ranks, environments, log, pass_fds=pass_fds)
         previous = {
             signum: signal.signal(signum, lambda signum, _frame: supervisor.forward(signum))
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         }
         try:
-            supervisor.start()
+            try:
+                supervisor.start()
+            finally:
+                for fd in (fd for pipe in pipes for fd in pipe):
+                    os.close(fd)
             return supervisor.run()
         finally:
             for signum, handler in previous.items():
