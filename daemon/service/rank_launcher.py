@@ -13,7 +13,9 @@ Each rank gets what mlx.launch gives it for the ring backend on one host,
 which ``mx.distributed.init`` reads: ``MLX_RANK``, and ``MLX_HOSTFILE`` naming
 a JSON file with one ``["127.0.0.1:port"]`` per rank. The other backends
 (NCCL on several GPUs, JACCL, MPI) set up more than a local launcher should
-copy, and stay with mlx.launch (ranks.py).
+copy, and stay with mlx.launch (``launch_ranks`` below execs it). Each
+follower also gets the read end of a pipe whose write end rank 0 holds, on
+which it sleeps until rank 0's next iteration (distributed/doorbell.py).
 
 Supervision: SIGTERM, SIGINT or SIGHUP to the launcher go to rank 0, which
 shuts down like a one-process daemon and stops the others (the followers
