@@ -11,9 +11,12 @@ returns (a rank that stopped answering) is the watchdog's (watchdog.py).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+if TYPE_CHECKING:  # doorbell.py imports RankLost from here
+    from .doorbell import Doorbell
 
 INLINE_BYTES = 2048  # an iteration's inputs up to this size travel with the header: one collective
 # How MLX's distributed backends begin their errors ("[ring] connection to a peer was lost").
@@ -47,9 +50,9 @@ class RanksDiverged(RankLost):
 
 
 class Channel:
-    def __init__(self, group: mx.distributed.Group, doorbell: Any = None):
-        """``doorbell``: a doorbell.Doorbell where the launcher made one (a follower then waits for each
-        exchange asleep on it, rather than polling inside the collective)."""
+    def __init__(self, group: mx.distributed.Group, doorbell: Doorbell | None = None):
+        """``doorbell``: where the launcher made one, a follower waits for each exchange asleep on it,
+        rather than polling inside the collective."""
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
