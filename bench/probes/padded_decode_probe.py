@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A decode batch's attention over left-padded rows: MLX's masked attention against prefixd's kernel.
 
-    python bench/probes/padded_decode_probe.py MODEL_DIR [--context 1000] [--steps 40] [--parts call,batch,exact]
+    python bench/probes/padded_decode_probe.py MODEL_DIR [--context 1000] [--call-contexts 1000,8000,32000] [--steps 40]
+        [--parts call,batch,exact]
 
 daemon/models/padded_decode_attention.py runs a decode step over mlx-lm's
 left-padded batch cache as one CUDA kernel, where MLX falls back to unfused
@@ -9,12 +10,14 @@ operations because of the padding mask. In process, without the daemon, the
 model's linear layers in the daemon's CUDA form (row_linear.py):
 
 * part ``call``: one attention call of a decode step (heads and head size of
-  the model, 1, 4 and 8 rows about ``--context`` keys deep, different
-  padding), MLX with the mask against the kernel: median ms of 50 and the
-  largest difference of the outputs;
+  the model, 1, 4 and 8 rows about ``--call-contexts`` keys deep, different
+  padding), MLX with the mask against the kernel: the daemon's choice of key
+  ranges (splits_for), one range (8 and 16 warps) and other range counts;
+  median ms of 50 and the largest difference of any form from MLX;
 * part ``batch``: a decode step of mlx-lm's BatchGenerator (prefixd's batch)
   of 1, 2, 4 and 8 rows at different depths, ``--attention matmul`` against
-  ``kernel`` (the daemon's routing, tail_attention.py), alternating, two runs;
+  ``kernel`` (the daemon's routing, tail_attention.py) and ``kernel-1`` (the
+  kernel held to one key range per row), alternating, two runs;
 * part ``exact``: 4 rows at different depths decoded together, greedy, 16
   steps, each form: the largest logit difference from each row decoded alone.
 """
@@ -44,6 +47,7 @@ from row_linear_probe import line, set_form  # noqa: E402
 from prefixd.daemon.models import padded_decode_attention, tail_attention  # noqa: E402
 
 ROW_COUNTS = (1, 2, 4, 8)
+DAEMON_MAX_SPLITS = padded_decode_attention.MAX_SPLITS
 
 
 def attention_shape(model) -> tuple[int, int, int]:
@@ -55,7 +59,10 @@ def attention_shape(model) -> tuple[int, int, int]:
 
 def part_call(model, context: int) -> None:
     heads, kv_heads, head_dim = attention_shape(model)
-    print(f"call: one decode-step attention, {heads} heads / {kv_heads} kv heads / head size {head_dim}, bfloat16")
+    print(
+        f"call: one decode-step attention, {heads} heads / {kv_heads} kv heads / head size {head_dim}, bfloat16,"
+        f" about {context} keys; median ms of 50"
+    )
     for rows in (1, 4, 8):
         length = context + 7 * (rows - 1)
         shape = (rows, kv_heads, length + 200, head_dim)  # a batch cache's buffer is longer than its filled part
@@ -67,8 +74,18 @@ def part_call(model, context: int) -> None:
         mx.eval(keys, values, queries)
         timings = {}
         outputs = {}
-        forms = [("mlx masked", padded_decode_attention.reference), ("kernel", padded_decode_attention.attention)]
-        forms += [(f"kernel, {w} warps", functools.partial(padded_decode_attention.attention, warps=w)) for w in (4, 16, 32)]
+        auto = padded_decode_attention.splits_for(length, rows, kv_heads)
+        forms = [
+            ("mlx masked", padded_decode_attention.reference),
+            (f"kernel ({auto} ranges, the daemon's)", padded_decode_attention.attention),
+            ("1 range", functools.partial(padded_decode_attention.attention, splits=1)),
+            ("1 range, 16 warps", functools.partial(padded_decode_attention.attention, splits=1, warps=16)),
+        ]
+        forms += [
+            (f"{n} ranges", functools.partial(padded_decode_attention.attention, splits=n))
+            for n in (2, 4, 8, 16, 32, 64)
+            if n != auto and n * 64 <= length
+        ]
         for name, fn in forms:
             outputs[name] = fn(queries, keys, values, pads, scale)
             mx.eval(outputs[name])
@@ -78,20 +95,25 @@ def part_call(model, context: int) -> None:
                 mx.eval(fn(queries, keys, values, pads, scale))
                 samples.append((time.perf_counter() - started) * 1000)
             timings[name] = statistics.median(samples)
-        diff = mx.max(mx.abs(outputs["kernel"].astype(mx.float32) - outputs["mlx masked"].astype(mx.float32))).item()
-        others = ", ".join(f"{name} {ms:.3f}" for name, ms in timings.items() if name.startswith("kernel, "))
-        print(f"  rows {rows}: mlx masked {timings['mlx masked']:.3f} ms, kernel ({padded_decode_attention.WARPS} warps)"
-              f" {timings['kernel']:.3f} ms, largest difference {diff:.4g}; {others}", flush=True)
+        wanted = outputs["mlx masked"].astype(mx.float32)
+        worst = max(mx.max(mx.abs(out.astype(mx.float32) - wanted)).item() for out in outputs.values())
+        figures = ", ".join(f"{name} {ms:.3f}" for name, ms in timings.items())
+        print(f"  rows {rows}: {figures}; largest difference from MLX {worst:.4g}", flush=True)
 
 
 def set_attention(model, mode: str) -> None:
-    tail_attention.install(model, mode)
+    """``kernel-1``: the kernel held to one key range per row (as before split-K)."""
+    padded_decode_attention.MAX_SPLITS = 1 if mode == "kernel-1" else DAEMON_MAX_SPLITS
+    tail_attention.install(model, "kernel" if mode == "kernel-1" else mode)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
-    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--context", type=int, default=1000, help="rows' depth in part batch")
+    parser.add_argument(
+        "--call-contexts", default=None, help="keys per row in part call, comma-separated (default --context)"
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--parts", default="call,batch,exact")
     args = parser.parse_args()
@@ -100,17 +122,22 @@ def main() -> int:
     set_form(model, "rows")
     prompt = random_prompts(tokenizer)
     ok, why = padded_decode_attention.agrees()
-    print(f"device {mx.default_device()}, mlx {mx.__version__}; the kernel {'agrees with MLX' if ok else 'is unavailable: ' + why}")
+    print(
+        f"device {mx.default_device()}, mlx {mx.__version__}; the kernel {'agrees with MLX' if ok else 'is unavailable: ' + why}"
+    )
     if not ok:
         return 1
     if "call" in parts:
-        part_call(model, args.context)
+        for context in (args.call_contexts or str(args.context)).split(","):
+            part_call(model, int(context))
     if "batch" in parts:
         for run in range(2):
-            print(f"batch, run {run}: mlx-lm BatchGenerator, rows {args.context}-{args.context + 49} tokens deep, ms per step")
+            print(
+                f"batch, run {run}: mlx-lm BatchGenerator, rows {args.context}-{args.context + 49} tokens deep, ms per step"
+            )
             for rows in ROW_COUNTS:
                 prompts = [prompt(args.context + 7 * i) for i in range(rows)]
-                for mode in ("matmul", "kernel") if run == 0 else ("kernel", "matmul"):
+                for mode in ("matmul", "kernel", "kernel-1") if run == 0 else ("kernel-1", "kernel", "matmul"):
                     set_attention(model, mode)
                     singles = [prefilled_cache(model, [p[:-1]]) for p in prompts]
                     generator = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64)
@@ -123,7 +150,9 @@ def main() -> int:
                         times.append((time.perf_counter() - started) * 1000)
                     line(f"{mode} ({tail_attention.kernel_steps() - before} kernel calls)", rows, times[2:])
     if "exact" in parts:
-        print("exact: 4 rows at different depths decoded together vs each alone, greedy, 16 steps; largest |logit difference|")
+        print(
+            "exact: 4 rows at different depths decoded together vs each alone, greedy, 16 steps; largest |logit difference|"
+        )
         prompts = [prompt(200 + 37 * i) for i in range(4)]
         for mode in ("matmul", "kernel"):
             set_attention(model, mode)
@@ -140,8 +169,12 @@ def main() -> int:
             generator = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64)
             captured = []
             # The batch's logits, step by step: its sampler sees them (log-softmaxed); each row is fed its alone path.
-            uids = generator.insert([p[-1:] for p in prompts], max_tokens=[17] * 4, caches=singles,
-                                    samplers=[lambda lp, i=i: capture(captured, i, lp, alone) for i in range(4)])
+            uids = generator.insert(
+                [p[-1:] for p in prompts],
+                max_tokens=[17] * 4,
+                caches=singles,
+                samplers=[lambda lp, i=i: capture(captured, i, lp, alone) for i in range(4)],
+            )
             for _ in range(16):
                 generator.next()
             worst, compared = 0.0, 0

@@ -15,7 +15,10 @@ takes the cache's keys and values where they lie (no copy of the slice), the
 query, and each row's left padding, and computes the softmax online (one warp
 per key stride, the warps merged at the end), in float32 as MLX's kernels do.
 One block serves one key-value head of one row and every query head that
-shares it (grouped-query attention).
+shares it (grouped-query attention). Long rows are split into key ranges, a
+block each, whose partial softmaxes a second kernel merges (split-K, as
+flash-decoding does): with a few rows thousands of keys deep, one block per
+row and head would leave most of the GPU idle (splits_for).
 
 It is used only where it applies exactly: a one-token query, a plain batch
 cache with left padding alone (no right padding: that exists only inside
@@ -32,11 +35,19 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-WARPS = 8  # warps per block: each takes every WARPS-th key of the row
+WARPS = 8  # warps per block: each takes every WARPS-th key of the block's range
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per key-value head the kernel's registers are sized for
+# Split-K (flash-decoding): with few rows and long rows, one block per row and head leaves most of a
+# GPU idle and walks thousands of keys one after another; the keys are split into ranges, one block
+# each, and a second kernel merges the ranges' partial softmaxes. Splits are powers of two, so the
+# kernels' shapes change only when a row crosses a threshold, not every step.
+MIN_KEYS_PER_SPLIT = 256
+TARGET_BLOCKS = 256  # about two blocks per streaming multiprocessor of an H100 / H200 (132)
+MAX_SPLITS = 64
 
-_SOURCE = """
+# One block: a key-value head of a row, over keys [begin, end) of that row (set by the prologue).
+_PROLOGUE = """
     constexpr int PER_LANE = D / 32;
     const float NEG_INF = -__int_as_float(0x7f800000);
     const int num_kv_heads = k_shape[1];
@@ -49,7 +60,19 @@ _SOURCE = """
     const float qk_scale = scale[0];
     int first = starts[row];
     first = first < 0 ? 0 : first;
-
+"""
+_WHOLE_ROW = """
+    const int begin = first;
+    const int end = length;
+"""
+_ROW_RANGE = """
+    const int split = blockIdx.y;
+    const int splits = gridDim.y;
+    const int chunk = (length - first + splits - 1) / splits;
+    const int begin = first + split * chunk;
+    const int end = begin + chunk < length ? begin + chunk : length;
+"""
+_ATTEND = """
     float query[R][PER_LANE];
     for (int r = 0; r < R; ++r) {
         const int64_t base = row * q_strides[0] + (kv_head * R + r) * q_strides[1];
@@ -65,7 +88,7 @@ _SOURCE = """
     }
     const int64_t k_base = row * k_strides[0] + kv_head * k_strides[1];
     const int64_t v_base = row * v_strides[0] + kv_head * v_strides[1];
-    for (int t = first + warp; t < length; t += W) {
+    for (int t = begin + warp; t < end; t += W) {
         float key[PER_LANE], value[PER_LANE];
         for (int i = 0; i < PER_LANE; ++i) {
             key[i] = static_cast<float>(k[k_base + t * k_strides[2] + (lane * PER_LANE + i) * k_strides[3]]);
@@ -102,17 +125,49 @@ _SOURCE = """
         for (int w = 0; w < W; ++w) overall_max = fmaxf(overall_max, warp_max[w][r]);
         float total = 0.0f, weighted = 0.0f;
         for (int w = 0; w < W; ++w) {
-            if (warp_max[w][r] == NEG_INF) continue;  // this warp saw no key of the row
+            if (warp_max[w][r] == NEG_INF) continue;  // this warp saw no key of the range
             const float factor = expf(warp_max[w][r] - overall_max);
             total += warp_sum[w][r] * factor;
             weighted += warp_acc[w][r][d] * factor;
         }
+"""
+_WRITE_OUT = """
         const int64_t at = ((int64_t)row * num_q_heads + kv_head * R + r) * D + d;
         out[at] = static_cast<T>(total > 0.0f ? weighted / total : 0.0f);
     }
 """
+# A range's partial softmax: its largest score, the sum of exp(score - largest), and the weighted values.
+_WRITE_PARTIAL = """
+        const int64_t slot = ((int64_t)row * num_q_heads + kv_head * R + r) * splits + split;
+        part_acc[slot * D + d] = weighted;
+        if (d == 0) {
+            part_max[slot] = overall_max;
+            part_sum[slot] = total;
+        }
+    }
+"""
+_SOURCE = _PROLOGUE + _WHOLE_ROW + _ATTEND + _WRITE_OUT
+_SPLIT_SOURCE = _PROLOGUE + _ROW_RANGE + _ATTEND + _WRITE_PARTIAL
+# One block per row and query head, one thread per dimension: the ranges merged in order.
+_MERGE_SOURCE = """
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int splits = part_max_shape[2];
+    const int64_t head = blockIdx.x;  // row * query heads + query head
+    const int d = threadIdx.x;
+    float overall_max = NEG_INF;
+    for (int s = 0; s < splits; ++s) overall_max = fmaxf(overall_max, part_max[head * splits + s]);
+    float total = 0.0f, weighted = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float range_max = part_max[head * splits + s];
+        if (range_max == NEG_INF) continue;  // a range past the row's end, or all padding
+        const float factor = expf(range_max - overall_max);
+        total += part_sum[head * splits + s] * factor;
+        weighted += part_acc[(head * splits + s) * D + d] * factor;
+    }
+    out[head * D + d] = static_cast<T>(total > 0.0f ? weighted / total : 0.0f);
+"""
 
-_kernel: list[Any] = []  # built once per process
+_kernels: dict[str, Any] = {}  # built once per process, by name
 # The scale as the kernel's input, one array per value: made once, not per layer and step.
 _scales: dict[float, mx.array] = {}
 # (head size, query heads per key-value head, dtype) variants checked against MLX in this process.
@@ -139,32 +194,85 @@ def variant(heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim in HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
 
 
-def attention(
-    queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array, scale: float, warps: int = WARPS
-) -> mx.array:
-    """softmax(q k^T * scale) v for each row over its keys from ``left_padding[row]`` on; q is (B, H, 1, D)."""
-    if not _kernel:
-        _kernel.append(
-            mx.fast.cuda_kernel(
-                name="prefixd_padded_decode_attention",
-                input_names=["q", "k", "v", "starts", "scale"],
-                output_names=["out"],
-                source=_SOURCE,
-                ensure_row_contiguous=False,  # the cache's keys are a slice of its buffer: read where they lie
-            )
+def splits_for(length: int, rows: int, kv_heads: int) -> int:
+    """How many key ranges a step over ``length`` keys takes: enough blocks to fill the GPU, ranges
+    of at least MIN_KEYS_PER_SPLIT keys, a power of two (1: the single kernel)."""
+    by_keys = length // MIN_KEYS_PER_SPLIT
+    by_blocks = -(-TARGET_BLOCKS // max(1, rows * kv_heads))
+    most = max(1, min(by_keys, by_blocks, MAX_SPLITS))
+    return 1 << (most.bit_length() - 1)
+
+
+def _built(name: str, source: str, inputs: list[str], outputs: list[str]) -> Any:
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = mx.fast.cuda_kernel(
+            name=name,
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            ensure_row_contiguous=False,  # the cache's keys are a slice of its buffer: read where they lie
         )
+    return kernel
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    left_padding: mx.array,
+    scale: float,
+    warps: int = WARPS,
+    splits: int | None = None,
+) -> mx.array:
+    """softmax(q k^T * scale) v for each row over its keys from ``left_padding[row]`` on; q is (B, H, 1, D).
+
+    ``splits``: key ranges per row (default splits_for the call's shape); 1 is one kernel, more
+    are two (the ranges, then their merge).
+    """
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    if splits is None:
+        splits = splits_for(keys.shape[2], batch, num_kv_heads)
     # mlx-lm's batch cache keeps its padding as int32 already: no conversion per layer and step.
     starts = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
     scale_input = _scales.get(scale)
     if scale_input is None:
         scale_input = _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel[0](
-        inputs=[queries, keys, values, starts, scale_input],
-        template=[("T", queries.dtype), ("D", head_dim), ("R", num_heads // num_kv_heads), ("W", warps)],
-        grid=(batch * num_kv_heads * warps * 32, 1, 1),
+    inputs = [queries, keys, values, starts, scale_input]
+    template = [("T", queries.dtype), ("D", head_dim), ("R", group), ("W", warps)]
+    if splits == 1:
+        kernel = _built("prefixd_padded_decode_attention", _SOURCE, ["q", "k", "v", "starts", "scale"], ["out"])
+        (out,) = kernel(
+            inputs=inputs,
+            template=template,
+            grid=(batch * num_kv_heads * warps * 32, 1, 1),
+            threadgroup=(warps * 32, 1, 1),
+            output_shapes=[(batch, num_heads, 1, head_dim)],
+            output_dtypes=[queries.dtype],
+        )
+        return out
+    ranges = _built(
+        "prefixd_padded_decode_ranges",
+        _SPLIT_SOURCE,
+        ["q", "k", "v", "starts", "scale"],
+        ["part_max", "part_sum", "part_acc"],
+    )
+    part_max, part_sum, part_acc = ranges(
+        inputs=inputs,
+        template=template,
+        grid=(batch * num_kv_heads * warps * 32, splits, 1),
         threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(batch, num_heads, splits), (batch, num_heads, splits), (batch, num_heads, splits, head_dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    merge = _built("prefixd_padded_decode_merge", _MERGE_SOURCE, ["part_max", "part_sum", "part_acc"], ["out"])
+    (out,) = merge(
+        inputs=[part_max, part_sum, part_acc],
+        template=[("T", queries.dtype), ("D", head_dim)],
+        grid=(batch * num_heads * head_dim, 1, 1),
+        threadgroup=(head_dim, 1, 1),
         output_shapes=[(batch, num_heads, 1, head_dim)],
         output_dtypes=[queries.dtype],
     )
@@ -198,11 +306,15 @@ def agrees(shapes: list[tuple[int, int, int]] | None = None, dtype: mx.Dtype = m
             queries = mx.random.normal((3, 1, heads, head_dim), key=mx.random.key(3)).astype(dtype).swapaxes(1, 2)
             left_padding = mx.array([0, 17, 290])
             scale = head_dim**-0.5
-            got = attention(queries, keys, values, left_padding, scale).astype(mx.float32)
             wanted = reference(queries, keys, values, left_padding, scale).astype(mx.float32)
-            worst = mx.max(mx.abs(got - wanted)).item()
-            if not worst <= 2e-2:
-                return False, f"differs from MLX's masked attention by {worst:.3g} (head size {head_dim})"
+            # One kernel, and key ranges with some past a short row's end (11 keys in 8 ranges).
+            for splits in (1, 8):
+                got = attention(queries, keys, values, left_padding, scale, splits=splits).astype(mx.float32)
+                worst = mx.max(mx.abs(got - wanted)).item()
+                if not worst <= 2e-2:
+                    return False, (
+                        f"differs from MLX's masked attention by {worst:.3g} (head size {head_dim}, {splits} key ranges)"
+                    )
             _checked.add((head_dim, heads // kv_heads, dtype))
         return True, ""
     except Exception as exc:  # no CUDA, NVRTC missing, a changed kernel API: MLX's own attention serves

@@ -152,3 +152,22 @@ def test_the_kernel_is_checked_at_load_for_the_models_own_attention_shapes():
     assert not padded_decode_attention.variant(32, 2, 128)  # 16 query heads a key-value head
     ok, why = padded_decode_attention.agrees([(16, 8, 96)])
     assert not ok and "written for" in why
+
+
+def test_long_rows_split_into_key_ranges_that_fill_the_gpu_and_change_rarely():
+    """Split-K: a range per block, at least MIN_KEYS_PER_SPLIT keys each, a power of two; short rows take one kernel."""
+    from prefixd.daemon.models import padded_decode_attention as pda
+
+    assert pda.splits_for(1000, rows=8, kv_heads=8) == 2  # 64 blocks want 4 ranges; 1,000 keys hold 3 -> 2
+    assert pda.splits_for(200, rows=1, kv_heads=8) == 1  # fewer keys than one range: the single kernel
+    assert pda.splits_for(32000, rows=1, kv_heads=8) == 32  # 8 blocks want 32 ranges for 256
+    assert pda.splits_for(32000, rows=1, kv_heads=1) == pda.MAX_SPLITS
+    assert pda.splits_for(32000, rows=64, kv_heads=8) == 1  # the rows alone fill the GPU
+    for length in range(1, 40000, 997):
+        for rows in (1, 3, 4, 8):
+            n = pda.splits_for(length, rows, 8)
+            assert n & (n - 1) == 0 and 1 <= n <= pda.MAX_SPLITS
+            assert n == 1 or length // n >= pda.MIN_KEYS_PER_SPLIT
+    # Thresholds, not every step: a row growing one token at a time changes its range count a few times only.
+    counts = {pda.splits_for(length, 1, 8) for length in range(100, 33000)}
+    assert counts == {1, 2, 4, 8, 16, 32}
