@@ -18,6 +18,9 @@ model's linear layers in the daemon's CUDA form (row_linear.py):
   of 1, 2, 4 and 8 rows at different depths, ``--attention matmul`` against
   ``kernel`` (the daemon's routing, tail_attention.py) and ``kernel-1`` (the
   kernel held to one key range per row), alternating, two runs;
+* part ``solo``: one sequence decoding alone on its own cache (the daemon's
+  solo path) at ``--solo-depths``, MLX's attention against the kernel, with
+  how often their greedy tokens agree;
 * part ``exact``: 4 rows at different depths decoded together, greedy, 16
   steps, each form: the largest logit difference from each row decoded alone.
 """
@@ -48,6 +51,7 @@ from prefixd.daemon.models import padded_decode_attention, tail_attention  # noq
 
 ROW_COUNTS = (1, 2, 4, 8)
 DAEMON_MAX_SPLITS = padded_decode_attention.MAX_SPLITS
+DAEMON_SOLO_MIN_KEYS = padded_decode_attention.SOLO_MIN_KEYS
 
 
 def attention_shape(model) -> tuple[int, int, int]:
@@ -77,6 +81,7 @@ def part_call(model, context: int) -> None:
         auto = padded_decode_attention.splits_for(length, rows, kv_heads)
         forms = [
             ("mlx masked", padded_decode_attention.reference),
+            *([("mlx, no mask (alone)", unmasked)] if rows == 1 else []),
             (f"kernel ({auto} ranges, the daemon's)", padded_decode_attention.attention),
             ("1 range", functools.partial(padded_decode_attention.attention, splits=1)),
             ("1 range, 16 warps", functools.partial(padded_decode_attention.attention, splits=1, warps=16)),
@@ -101,6 +106,48 @@ def part_call(model, context: int) -> None:
         print(f"  rows {rows}: {figures}; largest difference from MLX {worst:.4g}", flush=True)
 
 
+def unmasked(queries, keys, values, pads, scale):
+    """What a sequence decoding alone runs without the kernel: MLX's attention, no mask."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+
+def part_solo(model, prompt, depths: list[int], steps: int) -> None:
+    """One sequence decoding alone on its own cache (the solo path): MLX's vector kernel against prefixd's."""
+    print(
+        f"solo: one sequence decoding alone, greedy, {steps} steps; ms per step (median), MLX's attention vs the kernel"
+    )
+    for depth in depths:
+        tokens = prompt(depth)
+        results = {}
+        for mode in ("matmul", "kernel"):
+            set_attention(model, mode)
+            padded_decode_attention.SOLO_MIN_KEYS = 0  # every depth, to find where the kernel starts to win
+            cache = prefilled_cache(model, [tokens[:-1]])
+            y = mx.array([tokens[-1:]])
+            times, chosen, first_logits = [], [], None
+            before = tail_attention.kernel_steps()
+            for _ in range(steps):
+                started = time.perf_counter()
+                logits = model(y, cache=cache)[:, -1, :]
+                y = mx.argmax(logits, axis=-1, keepdims=True)
+                mx.eval(y)
+                times.append((time.perf_counter() - started) * 1000)
+                chosen.append(y.item())
+                if first_logits is None:
+                    first_logits = logits.astype(mx.float32)
+            results[mode] = (statistics.median(times[2:]), chosen, first_logits, tail_attention.kernel_steps() - before)
+        padded_decode_attention.SOLO_MIN_KEYS = DAEMON_SOLO_MIN_KEYS
+        mlx_ms, mlx_tokens, mlx_logits, _ = results["matmul"]
+        kernel_ms, kernel_tokens, kernel_logits, calls = results["kernel"]
+        same = sum(a == b for a, b in zip(mlx_tokens, kernel_tokens))
+        worst = mx.max(mx.abs(mlx_logits - kernel_logits)).item()
+        print(
+            f"  {depth:>6} keys: MLX {mlx_ms:6.2f} ms, kernel {kernel_ms:6.2f} ms ({kernel_ms / mlx_ms:.2f}x, {calls} kernel calls);"
+            f" same greedy token at {same} of {steps} steps, first step's largest logit difference {worst:.4g}",
+            flush=True,
+        )
+
+
 def set_attention(model, mode: str) -> None:
     """``kernel-1``: the kernel held to one key range per row (as before split-K)."""
     padded_decode_attention.MAX_SPLITS = 1 if mode == "kernel-1" else DAEMON_MAX_SPLITS
@@ -115,6 +162,7 @@ def main() -> int:
         "--call-contexts", default=None, help="keys per row in part call, comma-separated (default --context)"
     )
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--solo-depths", default="1000,2000,4000,8000,16000,32000", help="part solo's cache depths")
     parser.add_argument("--parts", default="call,batch,exact")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -130,6 +178,8 @@ def main() -> int:
     if "call" in parts:
         for context in (args.call_contexts or str(args.context)).split(","):
             part_call(model, int(context))
+    if "solo" in parts:
+        part_solo(model, prompt, [int(d) for d in args.solo_depths.split(",")], args.steps)
     if "batch" in parts:
         for run in range(2):
             print(

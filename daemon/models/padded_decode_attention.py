@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 WARPS = 8  # warps per block: each takes every WARPS-th key of the block's range
 HEAD_DIMS = (64, 128)
@@ -42,9 +42,14 @@ MAX_GROUP = 8  # query heads per key-value head the kernel's registers are sized
 # GPU idle and walks thousands of keys one after another; the keys are split into ranges, one block
 # each, and a second kernel merges the ranges' partial softmaxes. Splits are powers of two, so the
 # kernels' shapes change only when a row crosses a threshold, not every step.
-MIN_KEYS_PER_SPLIT = 256
-TARGET_BLOCKS = 256  # about two blocks per streaming multiprocessor of an H100 / H200 (132)
+# Chosen on an H200 (bench/probes/padded_decode_probe.py, part call, 1,000-32,000 keys, 1-8 rows): the
+# fastest range count was within 5% of what these give at every size measured.
+MIN_KEYS_PER_SPLIT = 128
+TARGET_BLOCKS = 1024  # about eight blocks per streaming multiprocessor of an H100 / H200 (132)
 MAX_SPLITS = 64
+# A sequence decoding alone (a plain KVCache, no mask) takes the kernel from this many keys on, where its
+# key ranges beat MLX's own vector kernel.
+SOLO_MIN_KEYS = 2048
 
 # One block: a key-value head of a row, over keys [begin, end) of that row (set by the prologue).
 _PROLOGUE = """
@@ -170,23 +175,39 @@ _MERGE_SOURCE = """
 _kernels: dict[str, Any] = {}  # built once per process, by name
 # The scale as the kernel's input, one array per value: made once, not per layer and step.
 _scales: dict[float, mx.array] = {}
+_no_padding: dict[int, mx.array] = {}  # rows -> zeros: made once
 # (head size, query heads per key-value head, dtype) variants checked against MLX in this process.
 _checked: set[tuple[int, int, Any]] = set()
 
 
-def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sinks: Any) -> bool:
-    """Whether this attention call is a decode step over a plain left-padded batch cache that the kernel serves.
+def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sinks: Any, mask: Any = None) -> bool:
+    """Whether this attention call is a decode step the kernel serves: over a plain left-padded batch
+    cache, or over a sequence's own cache (decoding alone) at least SOLO_MIN_KEYS deep.
 
     Only variants checked at load (agrees) qualify, so a live step never builds one.
     """
-    if sinks is not None or queries.shape[2] != 1 or not isinstance(cache, BatchKVCache):
+    if sinks is not None or queries.shape[2] != 1:
         return False
-    if getattr(cache, "_right_padding", None) is not None or hasattr(cache, "bits"):
+    if isinstance(cache, BatchKVCache):
+        if getattr(cache, "_right_padding", None) is not None or hasattr(cache, "bits"):
+            return False
+    elif type(cache) is not KVCache or mask is not None or keys.shape[2] < SOLO_MIN_KEYS:
         return False
     head_dim, num_heads, num_kv_heads = queries.shape[-1], queries.shape[1], keys.shape[1]
     if keys.shape[-1] != head_dim or values.shape[-1] != head_dim or num_heads % num_kv_heads:
         return False
     return (head_dim, num_heads // num_kv_heads, queries.dtype) in _checked
+
+
+def row_starts(cache: Any, rows: int) -> mx.array:
+    """Each row's first real key: a batch cache's left padding, or 0 for a sequence's own cache."""
+    padding = getattr(cache, "left_padding", None)
+    if padding is not None:
+        return padding
+    starts = _no_padding.get(rows)
+    if starts is None:
+        starts = _no_padding[rows] = mx.zeros((rows,), dtype=mx.int32)
+    return starts
 
 
 def variant(heads: int, kv_heads: int, head_dim: int) -> bool:

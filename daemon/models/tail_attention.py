@@ -132,9 +132,10 @@ def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=Non
         if sinks is not None:
             raise NotImplementedError("attention sinks over shared stored pieces (no model prefixd serves has them)")
         return batch_prefix_attention(queries, cache.row_keys, cache.row_values, keys, values, scale, mask)
-    if _state["mode"] == "kernel" and padded_decode_attention.applies(queries, keys, values, cache, sinks):
+    if _state["mode"] == "kernel" and padded_decode_attention.applies(queries, keys, values, cache, sinks, mask):
         _state["kernel_steps"] += 1
-        return padded_decode_attention.attention(queries, keys, values, cache.left_padding, scale)
+        starts = padded_decode_attention.row_starts(cache, queries.shape[0])
+        return padded_decode_attention.attention(queries, keys, values, starts, scale)
     if _takes_matmul(queries, keys, cache, sinks):
         _state["matmul_passes"] += 1
         return matmul_attention(queries, keys, values, scale, mask)

@@ -158,11 +158,11 @@ def test_long_rows_split_into_key_ranges_that_fill_the_gpu_and_change_rarely():
     """Split-K: a range per block, at least MIN_KEYS_PER_SPLIT keys each, a power of two; short rows take one kernel."""
     from prefixd.daemon.models import padded_decode_attention as pda
 
-    assert pda.splits_for(1000, rows=8, kv_heads=8) == 2  # 64 blocks want 4 ranges; 1,000 keys hold 3 -> 2
-    assert pda.splits_for(200, rows=1, kv_heads=8) == 1  # fewer keys than one range: the single kernel
-    assert pda.splits_for(32000, rows=1, kv_heads=8) == 32  # 8 blocks want 32 ranges for 256
-    assert pda.splits_for(32000, rows=1, kv_heads=1) == pda.MAX_SPLITS
-    assert pda.splits_for(32000, rows=64, kv_heads=8) == 1  # the rows alone fill the GPU
+    assert pda.splits_for(1000, rows=8, kv_heads=8) == 4  # 64 blocks want 16 ranges; 1,000 keys hold 7 -> 4
+    assert pda.splits_for(200, rows=1, kv_heads=8) == 1  # fewer keys than two ranges: the single kernel
+    assert pda.splits_for(8000, rows=4, kv_heads=8) == 32  # 32 blocks want 32 ranges; 8,000 keys hold 62
+    assert pda.splits_for(32000, rows=1, kv_heads=8) == pda.MAX_SPLITS
+    assert pda.splits_for(32000, rows=128, kv_heads=8) == 1  # the rows alone fill the GPU
     for length in range(1, 40000, 997):
         for rows in (1, 3, 4, 8):
             n = pda.splits_for(length, rows, 8)
@@ -170,4 +170,28 @@ def test_long_rows_split_into_key_ranges_that_fill_the_gpu_and_change_rarely():
             assert n == 1 or length // n >= pda.MIN_KEYS_PER_SPLIT
     # Thresholds, not every step: a row growing one token at a time changes its range count a few times only.
     counts = {pda.splits_for(length, 1, 8) for length in range(100, 33000)}
-    assert counts == {1, 2, 4, 8, 16, 32}
+    assert counts == {1, 2, 4, 8, 16, 32, 64}
+
+
+def test_a_sequence_decoding_alone_takes_the_kernel_only_when_deep_enough(monkeypatch):
+    """The solo path's own cache (no padding, no mask): the kernel from SOLO_MIN_KEYS keys on, MLX's below."""
+    from mlx_lm.models.cache import KVCache
+
+    from prefixd.daemon.models import padded_decode_attention
+
+    monkeypatch.setitem(tail_attention._state, "mode", "kernel")
+    monkeypatch.setattr(padded_decode_attention, "_checked", {(64, 4, mx.float32)})
+    monkeypatch.setattr(padded_decode_attention, "SOLO_MIN_KEYS", 16)
+    calls = []
+    monkeypatch.setattr(
+        padded_decode_attention, "attention", lambda q, k, v, starts, scale: calls.append(starts.tolist()) or q
+    )
+    cache = KVCache()
+    step = mx.random.normal((1, 8, 1, 64))
+    for length in (15, 16):
+        keys, values = mx.random.normal((1, 2, length, 64)), mx.random.normal((1, 2, length, 64))
+        routed_attention(step, keys, values, cache, 0.125, None)
+    assert calls == [[0]]  # 16 keys: the kernel, the whole row; 15: MLX's
+    routed_attention(step, keys, values, cache, 0.125, mx.ones((1, 16), dtype=mx.bool_))  # a mask: MLX's
+    routed_attention(mx.random.normal((1, 8, 2, 64)), keys, values, cache, 0.125, None)  # two queries: not a step
+    assert len(calls) == 1
