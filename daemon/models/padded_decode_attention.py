@@ -42,14 +42,16 @@ MAX_GROUP = 8  # query heads per key-value head the kernel's registers are sized
 # GPU idle and walks thousands of keys one after another; the keys are split into ranges, one block
 # each, and a second kernel merges the ranges' partial softmaxes. Splits are powers of two, so the
 # kernels' shapes change only when a row crosses a threshold, not every step.
-# Chosen on an H200 (bench/probes/padded_decode_probe.py, part call, 1,000-32,000 keys, 1-8 rows): the
-# fastest range count was within 5% of what these give at every size measured.
+# Chosen on an H200 (bench/probes/padded_decode_probe.py, part call, 1,000-32,000 keys, 1-8 rows): these
+# came within 10% of the fastest range count at every size measured, and one range was 1.8-7x slower
+# than them from 8,000 keys on (bench/results/2026-12-07-h200-split-k).
 MIN_KEYS_PER_SPLIT = 128
 TARGET_BLOCKS = 1024  # about eight blocks per streaming multiprocessor of an H100 / H200 (132)
 MAX_SPLITS = 64
-# A sequence decoding alone (a plain KVCache, no mask) takes the kernel from this many keys on, where its
-# key ranges beat MLX's own vector kernel.
-SOLO_MIN_KEYS = 2048
+# A sequence decoding alone (a plain KVCache, no mask) would take the kernel from this many keys on.
+# None: never. On the H200 MLX's own vector kernel, unmasked, was faster at every depth from 1,000 to
+# 32,000 keys (the probe's part solo: the kernel's steps 1.03-1.10x MLX's), so the solo path keeps it.
+SOLO_MIN_KEYS: int | None = None
 
 # One block: a key-value head of a row, over keys [begin, end) of that row (set by the prologue).
 _PROLOGUE = """
@@ -182,7 +184,7 @@ _checked: set[tuple[int, int, Any]] = set()
 
 def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sinks: Any, mask: Any = None) -> bool:
     """Whether this attention call is a decode step the kernel serves: over a plain left-padded batch
-    cache, or over a sequence's own cache (decoding alone) at least SOLO_MIN_KEYS deep.
+    cache (or a sequence's own cache at least SOLO_MIN_KEYS deep, where that is set).
 
     Only variants checked at load (agrees) qualify, so a live step never builds one.
     """
@@ -191,7 +193,7 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, sin
     if isinstance(cache, BatchKVCache):
         if getattr(cache, "_right_padding", None) is not None or hasattr(cache, "bits"):
             return False
-    elif type(cache) is not KVCache or mask is not None or keys.shape[2] < SOLO_MIN_KEYS:
+    elif SOLO_MIN_KEYS is None or type(cache) is not KVCache or mask is not None or keys.shape[2] < SOLO_MIN_KEYS:
         return False
     head_dim, num_heads, num_kv_heads = queries.shape[-1], queries.shape[1], keys.shape[1]
     if keys.shape[-1] != head_dim or values.shape[-1] != head_dim or num_heads % num_kv_heads:

@@ -20,6 +20,8 @@ path, built once per 256 keys, not per length; except a decode batch's step
 over left-padded rows in mode ``kernel`` (``auto`` on CUDA): MLX has no fused
 kernel for its array mask, so such a step goes to prefixd's own
 (padded_decode_attention.py), where that kernel builds and agrees with MLX.
+A sequence decoding alone has no mask and keeps MLX's kernel, which was the
+faster of the two there at every depth measured.
 
 A tail's first pass still costs more than its repeats in this form, but less
 than fused, and what is left depends on the pass's length alone, not the cache

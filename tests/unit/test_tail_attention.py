@@ -173,21 +173,25 @@ def test_long_rows_split_into_key_ranges_that_fill_the_gpu_and_change_rarely():
     assert counts == {1, 2, 4, 8, 16, 32, 64}
 
 
-def test_a_sequence_decoding_alone_takes_the_kernel_only_when_deep_enough(monkeypatch):
-    """The solo path's own cache (no padding, no mask): the kernel from SOLO_MIN_KEYS keys on, MLX's below."""
+def test_a_sequence_decoding_alone_keeps_mlx_unless_told_a_depth(monkeypatch):
+    """The solo path's own cache (no padding, no mask): MLX's vector kernel (measured faster), or, where
+    SOLO_MIN_KEYS is set (the probe does), the kernel from that many keys on."""
     from mlx_lm.models.cache import KVCache
 
     from prefixd.daemon.models import padded_decode_attention
 
     monkeypatch.setitem(tail_attention._state, "mode", "kernel")
     monkeypatch.setattr(padded_decode_attention, "_checked", {(64, 4, mx.float32)})
-    monkeypatch.setattr(padded_decode_attention, "SOLO_MIN_KEYS", 16)
     calls = []
     monkeypatch.setattr(
         padded_decode_attention, "attention", lambda q, k, v, starts, scale: calls.append(starts.tolist()) or q
     )
     cache = KVCache()
     step = mx.random.normal((1, 8, 1, 64))
+    monkeypatch.setattr(padded_decode_attention, "SOLO_MIN_KEYS", None)
+    routed_attention(step, mx.zeros((1, 2, 99, 64)), mx.zeros((1, 2, 99, 64)), cache, 0.125, None)
+    assert calls == []  # the daemon's setting: never
+    monkeypatch.setattr(padded_decode_attention, "SOLO_MIN_KEYS", 16)
     for length in (15, 16):
         keys, values = mx.random.normal((1, 2, length, 64)), mx.random.normal((1, 2, length, 64))
         routed_attention(step, keys, values, cache, 0.125, None)
