@@ -26,7 +26,7 @@
 # kernel or matmul), concurrency-full-attn-kernel / -matmul (its full form, 48 tokens), profile-attn-matmul;
 # padded-long (padded_decode_probe.py: one call at 1,000, 8,000 and 32,000 keys with every key-range count, a
 # sequence decoding alone 1,000-32,000 deep, and BatchGenerator's step 8,000 tokens deep), concurrency-deep-attn-kernel / -matmul (concurrency.py, 200 tokens a
-# session, each 8,000 tokens deep).
+# session, each 8,000 tokens deep), concurrency-deep-alt (the same, default attention, on $ALT_TREE).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -98,6 +98,9 @@ for s in "$@"; do
     full) step full python3 bench/compare.py --model /tmp/q06 --out "$out/full" ;;
     chunk512) PREFIXD_PREFILL_CHUNK=512 step chunk512 python3 bench/compare.py --quick --model /tmp/q06 --out "$out/chunk512" ;;
     concurrency) step concurrency python3 bench/concurrency.py --smollm2 /tmp/q06 --quick --json "$out/concurrency.json" ;;
+    concurrency-deep-alt)  # concurrency-deep-attn-kernel's run (the daemon's default on CUDA) on the prefixd in $ALT_TREE
+      alt_prefixd
+      PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step concurrency-deep-alt python3 bench/concurrency.py --smollm2 /tmp/q06 --tokens 200 --depth 8000 --json "$out/concurrency-deep-alt.json" ;;
     concurrency-alt)  # the same on the prefixd in $ALT_TREE
       alt_prefixd
       PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step concurrency-alt python3 bench/concurrency.py --smollm2 /tmp/q06 --quick --json "$out/concurrency-alt.json" ;;
