@@ -16,8 +16,9 @@ model's linear layers in the daemon's CUDA form (row_linear.py):
   median ms of 50 and the largest difference of any form from MLX;
 * part ``batch``: a decode step of mlx-lm's BatchGenerator (prefixd's batch)
   of 1, 2, 4 and 8 rows at different depths, ``--attention matmul`` against
-  ``kernel`` (the daemon's routing, tail_attention.py) and ``kernel-1`` (the
-  kernel held to one key range per row), alternating, two runs;
+  ``kernel`` (the daemon's routing, tail_attention.py), ``kernel-u1`` (key
+  ranges, one key a warp at a time) and ``kernel-1`` (one range per row, one
+  key at a time: the kernel before key ranges), alternating, two runs;
 * part ``solo``: one sequence decoding alone on its own cache (the daemon's
   solo path) at ``--solo-depths``, MLX's attention against the kernel, with
   how often their greedy tokens agree;
@@ -50,8 +51,10 @@ from row_linear_probe import line, set_form  # noqa: E402
 from prefixd.daemon.models import padded_decode_attention, tail_attention  # noqa: E402
 
 ROW_COUNTS = (1, 2, 4, 8)
+BATCH_FORMS = ("matmul", "kernel", "kernel-u1", "kernel-1")
 DAEMON_MAX_SPLITS = padded_decode_attention.MAX_SPLITS
 DAEMON_SOLO_MIN_KEYS = padded_decode_attention.SOLO_MIN_KEYS
+DAEMON_KEYS_PER_STEP = padded_decode_attention.KEYS_PER_STEP
 
 
 def attention_shape(model) -> tuple[int, int, int]:
@@ -85,6 +88,15 @@ def part_call(model, context: int) -> None:
             (f"kernel ({auto} ranges, the daemon's)", padded_decode_attention.attention),
             ("1 range", functools.partial(padded_decode_attention.attention, splits=1)),
             ("1 range, 16 warps", functools.partial(padded_decode_attention.attention, splits=1, warps=16)),
+            (
+                "1 range, 1 key a step (this morning's)",
+                functools.partial(padded_decode_attention.attention, splits=1, keys_per_step=1),
+            ),
+        ]
+        forms += [
+            (f"{auto} ranges, {u} key(s) a step", functools.partial(padded_decode_attention.attention, keys_per_step=u))
+            for u in (1, 2, 8)
+            if u != padded_decode_attention.KEYS_PER_STEP
         ]
         forms += [
             (f"{n} ranges", functools.partial(padded_decode_attention.attention, splits=n))
@@ -149,9 +161,11 @@ def part_solo(model, prompt, depths: list[int], steps: int) -> None:
 
 
 def set_attention(model, mode: str) -> None:
-    """``kernel-1``: the kernel held to one key range per row (as before split-K)."""
+    """``kernel-1``: the kernel as it was before key ranges (one range per row, one key a warp at a time);
+    ``kernel-u1``: key ranges, one key a warp at a time."""
     padded_decode_attention.MAX_SPLITS = 1 if mode == "kernel-1" else DAEMON_MAX_SPLITS
-    tail_attention.install(model, "kernel" if mode == "kernel-1" else mode)
+    padded_decode_attention.KEYS_PER_STEP = 1 if mode in ("kernel-1", "kernel-u1") else DAEMON_KEYS_PER_STEP
+    tail_attention.install(model, "kernel" if mode.startswith("kernel") else mode)
 
 
 def main() -> int:
@@ -187,7 +201,7 @@ def main() -> int:
             )
             for rows in ROW_COUNTS:
                 prompts = [prompt(args.context + 7 * i) for i in range(rows)]
-                for mode in ("matmul", "kernel", "kernel-1") if run == 0 else ("kernel-1", "kernel", "matmul"):
+                for mode in BATCH_FORMS if run == 0 else BATCH_FORMS[::-1]:
                     set_attention(model, mode)
                     singles = [prefilled_cache(model, [p[:-1]]) for p in prompts]
                     generator = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64)

@@ -35,7 +35,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-WARPS = 8  # warps per block: each takes every WARPS-th key of the block's range
+WARPS = 8  # warps per block: each takes every WARPS-th run of KEYS_PER_STEP keys of the block's range
+KEYS_PER_STEP = 4  # keys a warp has in flight at once
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per key-value head the kernel's registers are sized for
 # Split-K (flash-decoding): with few rows and long rows, one block per row and head leaves most of a
@@ -95,21 +96,39 @@ _ATTEND = """
     }
     const int64_t k_base = row * k_strides[0] + kv_head * k_strides[1];
     const int64_t v_base = row * v_strides[0] + kv_head * v_strides[1];
-    for (int t = begin + warp; t < end; t += W) {
-        float key[PER_LANE], value[PER_LANE];
-        for (int i = 0; i < PER_LANE; ++i) {
-            key[i] = static_cast<float>(k[k_base + t * k_strides[2] + (lane * PER_LANE + i) * k_strides[3]]);
-            value[i] = static_cast<float>(v[v_base + t * v_strides[2] + (lane * PER_LANE + i) * v_strides[3]]);
+    // U keys a warp at a time: their loads, dot products and shuffle reductions are independent, so the
+    // warp has U in flight instead of waiting on each in turn, and the running sums are rescaled once per U.
+    for (int t0 = begin + warp * U; t0 < end; t0 += W * U) {
+        float key[U][PER_LANE], value[U][PER_LANE];
+        for (int u = 0; u < U; ++u) {
+            const int t = t0 + u < end ? t0 + u : t0;  // past the range: a repeat of key t0, weighed 0 below
+            for (int i = 0; i < PER_LANE; ++i) {
+                key[u][i] = static_cast<float>(k[k_base + t * k_strides[2] + (lane * PER_LANE + i) * k_strides[3]]);
+                value[u][i] = static_cast<float>(v[v_base + t * v_strides[2] + (lane * PER_LANE + i) * v_strides[3]]);
+            }
         }
         for (int r = 0; r < R; ++r) {
-            float score = 0.0f;
-            for (int i = 0; i < PER_LANE; ++i) score += query[r][i] * key[i];
-            for (int offset = 16; offset > 0; offset >>= 1) score += __shfl_xor_sync(0xffffffff, score, offset);
-            const float new_max = fmaxf(running_max[r], score);
+            float score[U];
+            for (int u = 0; u < U; ++u) {
+                score[u] = 0.0f;
+                for (int i = 0; i < PER_LANE; ++i) score[u] += query[r][i] * key[u][i];
+            }
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                for (int u = 0; u < U; ++u) score[u] += __shfl_xor_sync(0xffffffff, score[u], offset);
+            }
+            float new_max = running_max[r];
+            for (int u = 0; u < U; ++u) {
+                if (t0 + u < end) new_max = fmaxf(new_max, score[u]);
+            }
             const float rescale = expf(running_max[r] - new_max);
-            const float weight = expf(score - new_max);
-            running_sum[r] = running_sum[r] * rescale + weight;
-            for (int i = 0; i < PER_LANE; ++i) acc[r][i] = acc[r][i] * rescale + weight * value[i];
+            running_sum[r] *= rescale;
+            for (int i = 0; i < PER_LANE; ++i) acc[r][i] *= rescale;
+            for (int u = 0; u < U; ++u) {
+                if (t0 + u >= end) continue;
+                const float weight = expf(score[u] - new_max);
+                running_sum[r] += weight;
+                for (int i = 0; i < PER_LANE; ++i) acc[r][i] += weight * value[u][i];
+            }
             running_max[r] = new_max;
         }
     }
@@ -247,11 +266,12 @@ def attention(
     scale: float,
     warps: int = WARPS,
     splits: int | None = None,
+    keys_per_step: int | None = None,
 ) -> mx.array:
     """softmax(q k^T * scale) v for each row over its keys from ``left_padding[row]`` on; q is (B, H, 1, D).
 
     ``splits``: key ranges per row (default splits_for the call's shape); 1 is one kernel, more
-    are two (the ranges, then their merge).
+    are two (the ranges, then their merge). ``keys_per_step``: default KEYS_PER_STEP.
     """
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = keys.shape[1]
@@ -264,7 +284,13 @@ def attention(
     if scale_input is None:
         scale_input = _scales[scale] = mx.array([scale], dtype=mx.float32)
     inputs = [queries, keys, values, starts, scale_input]
-    template = [("T", queries.dtype), ("D", head_dim), ("R", group), ("W", warps)]
+    template = [
+        ("T", queries.dtype),
+        ("D", head_dim),
+        ("R", group),
+        ("W", warps),
+        ("U", keys_per_step or KEYS_PER_STEP),
+    ]
     if splits == 1:
         kernel = _built("prefixd_padded_decode_attention", _SOURCE, ["q", "k", "v", "starts", "scale"], ["out"])
         (out,) = kernel(
