@@ -24,8 +24,8 @@
 # padded (bench/probes/padded_decode_probe.py: a padded decode batch's attention, MLX's masked form against
 # prefixd's kernel), concurrency-attn-kernel / -matmul (concurrency.py with 200 tokens a session and --attention
 # kernel or matmul), concurrency-full-attn-kernel / -matmul (its full form, 48 tokens), profile-attn-matmul;
-# padded-long (padded_decode_probe.py: one call at 1,000, 8,000 and 32,000 keys with every key-range count, a
-# sequence decoding alone 1,000-32,000 deep, and BatchGenerator's step 8,000 tokens deep), concurrency-deep-attn-kernel / -matmul (concurrency.py, 200 tokens a
+# padded-long (padded_decode_probe.py: one call at 1,000, 8,000 and 32,000 keys with every key-range count, and
+# BatchGenerator's step 8,000 tokens deep), padded-solo (its part solo: a sequence decoding alone 1,000-32,000 deep), concurrency-deep-attn-kernel / -matmul (concurrency.py, 200 tokens a
 # session, each 8,000 tokens deep), concurrency-deep-alt (the same, default attention, on $ALT_TREE).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
@@ -65,7 +65,8 @@ for s in "$@"; do
       PYTHONPATH=/tmp/pfx-alt:${PYTHONPATH#/tmp/pfx:} step hits-raw-alt python3 bench/probes/first_hit_probe.py /tmp/q06 --parts 2 --lengths 4000,32000 --json "$out/hits-raw-alt.json" ;;
     batch) step batch python3 bench/probes/batch_probe.py /tmp/q06 --context 1000 --steps 48 ;;
     padded) step padded python3 bench/probes/padded_decode_probe.py /tmp/q06 --context 1000 --steps 40 ;;
-    padded-long) step padded-long python3 bench/probes/padded_decode_probe.py /tmp/q06 --call-contexts 1000,8000,32000 --context 8000 --steps 30 --parts call,solo,batch ;;
+    padded-long) step padded-long python3 bench/probes/padded_decode_probe.py /tmp/q06 --call-contexts 1000,8000,32000 --context 8000 --steps 30 --parts call,batch ;;
+    padded-solo) step padded-solo python3 bench/probes/padded_decode_probe.py /tmp/q06 --steps 30 --parts solo ;;
     concurrency-deep-attn-kernel|concurrency-deep-attn-matmul)  # a coding agent's depth: 8,000 tokens a session
       PREFIXD_ATTENTION=${s#concurrency-deep-attn-} step "$s" python3 bench/concurrency.py --smollm2 /tmp/q06 --tokens 200 --depth 8000 --json "$out/$s.json" ;;
     concurrency-attn-kernel|concurrency-attn-matmul)  # steady batches: 200 tokens a session
