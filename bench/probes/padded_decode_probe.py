@@ -16,9 +16,9 @@ model's linear layers in the daemon's CUDA form (row_linear.py):
   median ms of 50 and the largest difference of any form from MLX;
 * part ``batch``: a decode step of mlx-lm's BatchGenerator (prefixd's batch)
   of 1, 2, 4 and 8 rows at different depths, ``--attention matmul`` against
-  ``kernel`` (the daemon's routing, tail_attention.py), ``kernel-u1`` (key
-  ranges, one key a warp at a time) and ``kernel-1`` (one range per row, one
-  key at a time: the kernel before key ranges), alternating, two runs;
+  ``kernel`` (the daemon's routing, tail_attention.py), ``kernel-u4`` (its
+  key ranges, 4 keys a warp at a time) and ``kernel-1`` (one range per row,
+  one key at a time: the kernel before key ranges), alternating, two runs;
 * part ``solo``: one sequence decoding alone on its own cache (the daemon's
   solo path) at ``--solo-depths``, MLX's attention against the kernel, with
   how often their greedy tokens agree;
@@ -51,7 +51,7 @@ from row_linear_probe import line, set_form  # noqa: E402
 from prefixd.daemon.models import padded_decode_attention, tail_attention  # noqa: E402
 
 ROW_COUNTS = (1, 2, 4, 8)
-BATCH_FORMS = ("matmul", "kernel", "kernel-u1", "kernel-1")
+BATCH_FORMS = ("matmul", "kernel", "kernel-u4", "kernel-1")
 DAEMON_MAX_SPLITS = padded_decode_attention.MAX_SPLITS
 DAEMON_SOLO_MIN_KEYS = padded_decode_attention.SOLO_MIN_KEYS
 DAEMON_KEYS_PER_STEP = padded_decode_attention.KEYS_PER_STEP
@@ -95,7 +95,7 @@ def part_call(model, context: int) -> None:
         ]
         forms += [
             (f"{auto} ranges, {u} key(s) a step", functools.partial(padded_decode_attention.attention, keys_per_step=u))
-            for u in (1, 2, 8)
+            for u in (1, 2, 4, 8)
             if u != padded_decode_attention.KEYS_PER_STEP
         ]
         forms += [
@@ -162,9 +162,14 @@ def part_solo(model, prompt, depths: list[int], steps: int) -> None:
 
 def set_attention(model, mode: str) -> None:
     """``kernel-1``: the kernel as it was before key ranges (one range per row, one key a warp at a time);
-    ``kernel-u1``: key ranges, one key a warp at a time."""
+    ``kernel-uN``: the daemon's key ranges, N keys a warp at a time."""
     padded_decode_attention.MAX_SPLITS = 1 if mode == "kernel-1" else DAEMON_MAX_SPLITS
-    padded_decode_attention.KEYS_PER_STEP = 1 if mode in ("kernel-1", "kernel-u1") else DAEMON_KEYS_PER_STEP
+    keys_per_step = DAEMON_KEYS_PER_STEP
+    if mode == "kernel-1":
+        keys_per_step = 1
+    elif mode.startswith("kernel-u"):
+        keys_per_step = int(mode.removeprefix("kernel-u"))
+    padded_decode_attention.KEYS_PER_STEP = keys_per_step
     tail_attention.install(model, "kernel" if mode.startswith("kernel") else mode)
 
 

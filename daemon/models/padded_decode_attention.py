@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 WARPS = 8  # warps per block: each takes every WARPS-th run of KEYS_PER_STEP keys of the block's range
-KEYS_PER_STEP = 4  # keys a warp has in flight at once
+KEYS_PER_STEP = 1  # keys a warp has in flight at once (4 is written, not yet measured on a GPU: the probe compares)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per key-value head the kernel's registers are sized for
 # Split-K (flash-decoding): with few rows and long rows, one block per row and head leaves most of a
