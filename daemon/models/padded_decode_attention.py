@@ -30,6 +30,7 @@ disagrees is not used.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import mlx.core as mx
@@ -246,10 +247,14 @@ def splits_for(length: int, rows: int, kv_heads: int) -> int:
 
 
 def _built(name: str, source: str, inputs: list[str], outputs: list[str]) -> Any:
+    """The kernel ``name``, made once per process. MLX keeps compiled kernels on disk by name and
+    template arguments alone (MLX_PTX_CACHE_DIR, which prefixd sets), not by source: the name carries
+    a digest of the source, so a daemon upgraded to a changed kernel never loads the old one's PTX."""
     kernel = _kernels.get(name)
     if kernel is None:
+        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         kernel = _kernels[name] = mx.fast.cuda_kernel(
-            name=name,
+            name=f"{name}_{digest}",
             input_names=inputs,
             output_names=outputs,
             source=source,

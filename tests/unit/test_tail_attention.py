@@ -199,3 +199,17 @@ def test_a_sequence_decoding_alone_keeps_mlx_unless_told_a_depth(monkeypatch):
     routed_attention(step, keys, values, cache, 0.125, mx.ones((1, 16), dtype=mx.bool_))  # a mask: MLX's
     routed_attention(mx.random.normal((1, 8, 2, 64)), keys, values, cache, 0.125, None)  # two queries: not a step
     assert len(calls) == 1
+
+
+def test_a_changed_kernel_source_gets_a_new_name_so_no_stale_compiled_kernel_is_loaded(monkeypatch):
+    """MLX caches compiled custom kernels on disk by name and template arguments only."""
+    from prefixd.daemon.models import padded_decode_attention as pda
+
+    names = []
+    monkeypatch.setattr(pda, "_kernels", {})
+    monkeypatch.setattr(pda.mx.fast, "cuda_kernel", lambda **kwargs: names.append(kwargs["name"]) or object())
+    pda._built("k", "out[0] = 1;", ["a"], ["out"])
+    pda._built("k", "out[0] = 1;", ["a"], ["out"])  # made once per process
+    monkeypatch.setattr(pda, "_kernels", {})
+    pda._built("k", "out[0] = 2;", ["a"], ["out"])
+    assert len(names) == 2 and names[0] != names[1] and all(n.startswith("k_") for n in names)
