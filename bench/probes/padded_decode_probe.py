@@ -88,11 +88,14 @@ def part_call(model, context: int) -> None:
             (f"kernel ({auto} ranges, the daemon's)", padded_decode_attention.attention),
             ("1 range", functools.partial(padded_decode_attention.attention, splits=1)),
             ("1 range, 16 warps", functools.partial(padded_decode_attention.attention, splits=1, warps=16)),
-            (
-                "1 range, 1 key a step (this morning's)",
-                functools.partial(padded_decode_attention.attention, splits=1, keys_per_step=1),
-            ),
         ]
+        if padded_decode_attention.KEYS_PER_STEP != 1:  # the kernel before key ranges, where "1 range" is not it
+            forms.append(
+                (
+                    "1 range, 1 key a step (before key ranges)",
+                    functools.partial(padded_decode_attention.attention, splits=1, keys_per_step=1),
+                )
+            )
         forms += [
             (f"{auto} ranges, {u} key(s) a step", functools.partial(padded_decode_attention.attention, keys_per_step=u))
             for u in (1, 2, 4, 8)
