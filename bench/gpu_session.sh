@@ -19,7 +19,7 @@
 # (bench/probes/row_linear_probe.py: a few rows through the linear layers as one matmul or one matrix-vector product per
 # row), concurrency-full (concurrency.py's full form: 1, 2, 4 and 8 sessions), concurrency-full-linear-rows,
 # concurrency-full-linear-matmul, quick-linear-rows and quick-linear-matmul (those with --linear rows or matmul);
-# profile (bench/probes/daemon_profile.py: the daemon's step trace and a py-spy profile with 1, 4 and 8 sessions;
+# profile (bench/probes/daemon_profile.py: the daemon's step trace and a py-spy profile with 1, 4 and 8 sessions; lfm2-profile: one lfm2 session;
 # py-spy's wheel goes into .gpu/b/wheels), rowlinear-steps (row_linear_probe's in-process decode steps alone);
 # padded (bench/probes/padded_decode_probe.py: a padded decode batch's attention, MLX's masked form against
 # prefixd's kernel), concurrency-attn-kernel / -matmul (concurrency.py with 200 tokens a session and --attention
@@ -74,6 +74,7 @@ for s in "$@"; do
     concurrency-full-attn-kernel|concurrency-full-attn-matmul)
       PREFIXD_ATTENTION=${s#concurrency-full-attn-} step "$s" python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/$s.json" ;;
     profile-attn-matmul) PREFIXD_ATTENTION=matmul PATH=/tmp/site/bin:$PATH step profile-attn-matmul python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 ;;
+    lfm2-profile) PATH=/tmp/site/bin:$PATH step lfm2-profile python3 bench/probes/daemon_profile.py /tmp/lfm2 --sessions 1 --tokens 300 --out "$out/lfm2-profile" ;;
     profile) PATH=/tmp/site/bin:$PATH step profile python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 --out "$out/profile" ;;
     rowlinear-steps) step rowlinear-steps python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 --parts steps,batch ;;
     rowlinear) step rowlinear python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 ;;
