@@ -1,9 +1,11 @@
 """One client connection: read and decode messages, dispatch requests, write replies.
 
 Requests are handled as independent tasks, so a client may pipeline many
-msgids on one connection. Every outgoing message goes through one writer
-task, so messages are never interleaved and a slow reader only slows itself.
-When the client goes away, its in-flight requests are cancelled.
+msgids on one connection. A message goes to the socket at once while nothing
+waits before it (the usual case: a streamed token's chunk, to a client that
+reads along), else into the outbox that one writer task empties in order, so
+messages are never interleaved and a slow reader only slows itself. When the
+client goes away, its in-flight requests are cancelled.
 
 Backpressure: the engine never waits for a socket (it would stall every
 client's decoding), so what a client does not read piles up in its outbox.
@@ -32,6 +34,9 @@ log = structlog.get_logger("prefixd.connection")
 _connection_ids = itertools.count(1)
 READ_SIZE = 256 * 1024
 MAX_OUTBOX_BYTES = 16 * 1024 * 1024  # unread replies one client may leave queued: one message of the largest size
+# Messages up to this size go to the socket at once while nothing waits before them: below the
+# transport's low-water mark, so what a direct write leaves unsent is as little as the writer's drain leaves.
+DIRECT_WRITE_MAX_BYTES = 16 * 1024
 OUTBOX_LIMIT_ENV = "PREFIXD_MAX_OUTBOX_BYTES"  # overrides MAX_OUTBOX_BYTES (tests, tuning)
 
 
@@ -91,6 +96,14 @@ class Connection:
         if self.closed.is_set():
             return
         data = codec.encode(message)
+        if len(data) <= DIRECT_WRITE_MAX_BYTES and not self._outbox and self._socket_keeps_up():
+            # Nothing queued and the socket took all it was given: write now. Waking the
+            # writer task for each streamed token cost the loop a task switch and a drain.
+            try:
+                self.writer.write(data)
+            except (ConnectionError, OSError):
+                pass  # the read side notices and cleans up
+            return
         # What waits behind the message being written is what the client has
         # left unread; judged before this one joins, so a single large reply
         # to a client that reads along never counts as slowness.
@@ -101,6 +114,11 @@ class Connection:
         self._num_unwritten_bytes += len(data)
         self._outbox.append(data)
         self._outbox_filled.set()
+
+    def _socket_keeps_up(self) -> bool:
+        """True while the transport holds nothing unsent (so a direct write cannot pile up unaccounted)."""
+        transport = self.writer.transport
+        return not transport.is_closing() and transport.get_write_buffer_size() == 0
 
     async def _write_loop(self) -> None:
         try:

@@ -19,9 +19,10 @@ from ...protocol.codec import MAX_MESSAGE_BYTES
 from ...protocol.errors import ErrorCode, RpcError
 from ...protocol.messages import Notification, Request
 from ..engine.engine import Engine
-from ..engine.jobs import CHUNK, DONE, GenerateJob
+from ..engine.jobs import DONE, GenerateJob
 from ..models.loaded_model import ModelCard
 from ..models.names import model_not_found
+from .chunk_relay import RELAY_FAILED, ChunkRelay
 from .connection import Connection
 from .event_mailbox import EventMailbox
 from .prompt_intake import PromptIntake
@@ -179,10 +180,10 @@ class Handlers:
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = EventMailbox(loop)
         mailbox = self._mailbox
-        events: asyncio.Queue = asyncio.Queue()
+        relay = ChunkRelay(on_chunk)
 
         def emit(kind: str, payload: Any) -> None:  # called on the engine thread
-            mailbox.post(events, (kind, payload))
+            mailbox.post(relay.deliver, (kind, payload))
 
         job = GenerateJob(client_id, msgid, params, emit, warm_only=warm_only, lane=lane)
         if jobs is not None:
@@ -192,6 +193,7 @@ class Handlers:
             self.engine.inbox.reserve(job.client_id, job.fair_lane)
             try:
                 card, reader = await self._prepare(job)
+                relay.reader = reader
             except BaseException:
                 self.engine.inbox.release(job.client_id, job.fair_lane)
                 raise
@@ -204,12 +206,11 @@ class Handlers:
             raise
         try:
             while True:
-                kind, payload = await events.get()
-                if kind == CHUNK:
-                    chunk = reader.chunk(payload) if reader is not None else payload
-                    if on_chunk is not None:
-                        on_chunk(chunk)
-                elif kind == DONE:
+                kind, payload = await relay.ends.get()  # the chunks went out on their own (chunk_relay.py)
+                if kind == RELAY_FAILED:
+                    self._abandon(client_id, job, relay)  # its text cannot reach the client: stop the job
+                    raise payload
+                if kind == DONE:
                     if reader is not None:
                         payload = reader.finish(payload, on_chunk)
                         await self.tool_calls.remember_answer(card, job, payload)
@@ -224,14 +225,19 @@ class Handlers:
                     self._observe(job, payload)
                     raise payload
         except asyncio.CancelledError:
-            self.engine.cancel(job)  # nobody waits for it any more: free the engine
-            task = asyncio.create_task(self._log_abandoned(client_id, job, events))
-            self._draining.add(task)  # keep a reference until it is done
-            task.add_done_callback(self._draining.discard)
+            self._abandon(client_id, job, relay)
             raise
         finally:
             if jobs is not None:
                 jobs.pop(msgid, None)
+
+    def _abandon(self, client_id: str, job: GenerateJob, relay: ChunkRelay) -> None:
+        """Nobody waits for the job any more: free the engine, drop its text, log how it ends."""
+        relay.stop()
+        self.engine.cancel(job)
+        task = asyncio.create_task(self._log_abandoned(client_id, job, relay.ends))
+        self._draining.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._draining.discard)
 
     async def _prepare(self, job: GenerateJob) -> tuple[ModelCard, ToolCallReader | None]:
         """Encode the prompt off the engine thread and bring in what the disk cache holds of it.
@@ -250,15 +256,15 @@ class Handlers:
             raise RpcError(ErrorCode.CANCELLED, "cancelled before it started")
         return card, reader
 
-    async def _log_abandoned(self, client_id: str, job: GenerateJob, events: asyncio.Queue) -> None:
+    async def _log_abandoned(self, client_id: str, job: GenerateJob, ends: asyncio.Queue) -> None:
         """Log how a job whose requester went away ended (finish_reason "cancelled", usually)."""
         while True:
-            kind, payload = await events.get()
+            kind, payload = await ends.get()
             if kind == DONE:
                 self._log_request(client_id, job, payload)
                 self._observe(job, payload)
                 return
-            if kind != CHUNK:
+            if kind != RELAY_FAILED:  # FAILED (a relay failure was the request's own error)
                 self._observe(job, payload)
                 return
 

@@ -148,3 +148,39 @@ def test_a_decoder_failure_is_answered_and_closes_the_connection(monkeypatch):
     [reply] = list(unpacker)
     assert reply[1] is None and reply[2]["code"] == -32603 and "a bug in the decoder" in reply[2]["message"]
     assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == ["client_decoder_failed"]
+
+
+def test_small_and_large_messages_reach_a_reading_client_in_the_order_they_were_sent():
+    # Small messages go to the socket at once while nothing waits before them, large ones (and any that
+    # come while the socket is behind) through the writer task: the client must see one order either way.
+    client, daemon_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sizes = [10, 100_000, 10, 10, 300_000, 10] * 5 + [10] * 200
+    messages: list = []
+
+    async def mixed(conn, request):
+        for index, size in enumerate(sizes):
+            conn.send(Notification("generate.chunk", [{"id": request.msgid, "index": index, "text": "m" * size}]))
+            if index % 7 == 0:
+                await asyncio.sleep(0)
+        return {"finish_reason": "stop"}
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        client.setblocking(False)
+        serving = asyncio.ensure_future(serve_one(mixed, client, daemon_side, limit=16 << 20))
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64 << 20)
+        async with asyncio.timeout(30):
+            while len(messages) < len(sizes) + 1:
+                data = await loop.sock_recv(client, 1 << 16)
+                assert data, "the connection was closed before every message came"
+                unpacker.feed(data)
+                messages.extend(unpacker)
+        client.shutdown(socket.SHUT_WR)
+        await serving
+
+    with client:
+        uvloop.run(run())
+    chunks = [message[2][0] for message in messages[:-1]]
+    assert [chunk["index"] for chunk in chunks] == list(range(len(sizes)))
+    assert [len(chunk["text"]) for chunk in chunks] == sizes
+    assert messages[-1][3] == {"finish_reason": "stop"}
