@@ -14,6 +14,13 @@ device synchronisation after it, in two scenarios per prompt length:
 * alone: the long prompt's sequence joins an empty decoder (the solo path);
 * beside: a short sequence is decoding alone when the long one joins (the
   solo row moves into mlx-lm's batch, and the long row is inserted beside it).
+
+``--crowd ROWS`` times instead what a join and a leave cost a batch that is
+already running: ROWS sequences of the given lengths decode together, one
+more joins (mlx-lm gives it a one-row pass of its own, then concatenates
+every row's KV into a new padded batch), and later one leaves (its row is
+extracted and every other row's KV is gathered into a new batch). Each is
+set against the batch's steady steps around it, in the same run.
 """
 
 from __future__ import annotations
@@ -101,14 +108,60 @@ def scenario(loaded, name: str, length: int, seed: int) -> dict:
     return row
 
 
+def crowd(loaded, rows: int, length: int, seed: int) -> dict:
+    """ROWS rows ``length`` deep decoding; the step a row joins in and the step a row leaves in, against steady steps."""
+    decoder = BatchDecoder(loaded.model, loaded.eos_token_ids)
+    steady_tokens = 12
+    for index in range(rows):
+        # The first row leaves by its token budget after the join has settled; the others outlast the probe.
+        budget = 2 * steady_tokens + 4 if index == 0 else 200
+        seq, token, _ = sequence(loaded, length, budget + 1, seed + index)
+        decoder.add(seq, [token], budget)
+    before = steps(decoder, steady_tokens)
+    joiner, token, _ = sequence(loaded, length, 200, seed + rows)
+    join_ms = timed(lambda: decoder.add(joiner, [token], 199))[1]
+    join_step = steps(decoder, 1)[0]
+    between = steps(decoder, steady_tokens + 2)  # the first row's last token comes in this run or the next step
+    during = []
+    while len(decoder) > rows:  # rows + 1 until the first row has left
+        during.append(steps(decoder, 1)[0])
+        if len(during) > 8:
+            raise RuntimeError("the first row did not leave")
+    after = steps(decoder, steady_tokens)
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    return {
+        "scenario": "crowd",
+        "rows": rows,
+        "length": length,
+        "steady_step_ms": median(before[2:]),
+        "join_add_ms": join_ms,
+        "join_step_ms": join_step,
+        "steady_with_joiner_ms": median(between[2:]),
+        "leave_step_ms": during[-1],
+        "steady_after_leave_ms": median(after[2:]),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("--lengths", default="1682,4340,4340,6651")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--crowd", type=int, help="rows already decoding (the crowd scenario instead)")
     args = parser.parse_args()
     loaded = load_model(str(args.model))
     rows = []
+    if args.crowd:
+        for index, length in enumerate(int(n) for n in args.lengths.split(",")):
+            row = crowd(loaded, args.crowd, length, seed=index * 10)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     for index, length in enumerate(int(n) for n in args.lengths.split(",")):
         for name in ("alone", "beside"):
             row = scenario(loaded, name, length, seed=index * 10)
