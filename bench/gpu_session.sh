@@ -26,7 +26,10 @@
 # kernel or matmul), concurrency-full-attn-kernel / -matmul (its full form, 48 tokens), profile-attn-matmul;
 # padded-long (padded_decode_probe.py: one call at 1,000, 8,000 and 32,000 keys with every key-range count, and
 # BatchGenerator's step 8,000 tokens deep), padded-solo (its part solo: a sequence decoding alone 1,000-32,000 deep), concurrency-deep-attn-kernel / -matmul (concurrency.py, 200 tokens a
-# session, each 8,000 tokens deep), concurrency-deep-alt (the same, default attention, on $ALT_TREE).
+# session, each 8,000 tokens deep), concurrency-deep-alt (the same, default attention, on $ALT_TREE);
+# join-crowd (join_probe.py --crowd 8: a join and a leave against a running batch's steady steps, 1,000 and
+# 8,000 deep), front-cost (front_cost.py: the event loop's CPU per streamed lfm2 token, and decode streamed
+# against whole replies).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -74,6 +77,8 @@ for s in "$@"; do
     concurrency-full-attn-kernel|concurrency-full-attn-matmul)
       PREFIXD_ATTENTION=${s#concurrency-full-attn-} step "$s" python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/$s.json" ;;
     profile-attn-matmul) PREFIXD_ATTENTION=matmul PATH=/tmp/site/bin:$PATH step profile-attn-matmul python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 ;;
+    join-crowd) step join-crowd python3 bench/probes/join_probe.py /tmp/q06 --crowd 8 --lengths 1000,8000 --json "$out/join-crowd.json" ;;
+    front-cost) step front-cost python3 bench/probes/front_cost.py /tmp/lfm2 --tokens 1000 --rounds 3 ;;
     lfm2-profile) PATH=/tmp/site/bin:$PATH step lfm2-profile python3 bench/probes/daemon_profile.py /tmp/lfm2 --sessions 1 --tokens 300 --out "$out/lfm2-profile" ;;
     profile) PATH=/tmp/site/bin:$PATH step profile python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 --out "$out/profile" ;;
     rowlinear-steps) step rowlinear-steps python3 bench/probes/row_linear_probe.py /tmp/q06 --context 1000 --steps 40 --parts steps,batch ;;
