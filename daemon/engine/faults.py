@@ -4,7 +4,8 @@
 the engine reaches ``decode_step`` and every time it reaches ``loop``. Unset
 (the normal case), ``fault_point`` is one dictionary lookup. Points are named
 where they are placed: admit, start_prefill, prefill, first_token,
-decode_step, token, finish, store_answer, control, loop, warm_up. One point corrupts
+decode_step, token, finish, store_answer, control, loop, warm_up, and in the front relay_chunk (a
+streamed chunk on its way to the client: front/chunk_relay.py). One point corrupts
 instead of raising (``fault_fires``): corrupt_segment, a stored KV segment
 changed on its way into the store, so the shadow check has something to find.
 """

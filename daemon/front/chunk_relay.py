@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from ..engine.faults import fault_point
 from ..engine.jobs import CHUNK
 
 RELAY_FAILED = "relay_failed"  # payload: the exception raised while relaying a chunk
@@ -42,6 +43,7 @@ class ChunkRelay:
         if not self._relaying:
             return  # nobody waits for this job's text any more
         try:
+            fault_point("relay_chunk")
             chunk = self.reader.chunk(payload) if self.reader is not None else payload
             if self.on_chunk is not None:
                 self.on_chunk(chunk)

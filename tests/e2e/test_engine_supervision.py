@@ -96,3 +96,21 @@ def test_an_engine_that_cannot_go_on_fails_everyone_at_once_and_the_daemon_exits
     dead = daemon.wait_for_event("engine_dead")
     assert dead["level"] == "critical"
     assert daemon.wait(timeout=30) == 1
+
+
+def test_a_chunk_that_cannot_be_relayed_fails_its_request_stops_its_job_and_spares_the_rest(start_daemon):
+    # The front relays streamed chunks from the engine's event drain (front/chunk_relay.py): a failure there
+    # must fail that request alone, in its own reply, and free the engine of a job nobody can read.
+    daemon = start_daemon(env={"PREFIXD_FAULTS": "relay_chunk:2"})  # the second chunk relayed
+    with RawConnection(daemon.socket_path) as victim, RawConnection(daemon.socket_path) as bystander:
+        msgid = victim.request("generate", {"prompt": "a long answer that breaks on its way out", "max_tokens": 200,
+                                            "stream": True, "cache": {"use": False, "store": False}})
+        chunks, response = victim.reply(msgid)
+        assert response[2]["code"] == INTERNAL and "injected fault at relay_chunk" in response[2]["message"]
+        assert len(chunks) == 1  # the first went out; nothing after the failure
+        assert victim.result("ping")["pong"] is True
+        expected = solo(bystander, "the bystander's question")
+        assert solo(bystander, "the bystander's question") == expected
+        ended = daemon.wait_for_event("generate", finish_reason="cancelled")  # the abandoned job's end is logged
+        assert ended["completion_tokens"] < 200, ended
+        assert bystander.result("stats")["requests"]["active"] == 0
