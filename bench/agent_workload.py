@@ -36,7 +36,8 @@ import agent_prompts as prompts  # noqa: E402
 import agent_report  # noqa: E402
 from compare import DEFAULT_MODEL, load_average, machine_meta  # noqa: E402
 from harness import BenchError, Daemon  # noqa: E402
-from peers import MlxServerPeer, _sse_data, free_port, wait_for_models  # noqa: E402
+from harness import free_port  # noqa: E402
+from peers import MlxServerPeer, _sse_data, wait_for_models  # noqa: E402
 from workloads import Tokens, fit_lines  # noqa: E402
 
 

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Daemon, connect, timed_generate  # noqa: E402
+from harness import Daemon, connect, free_port, timed_generate  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".local/share/prefixd/models/SmolLM2-135M-Instruct"
 BYSTANDER = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0,
@@ -123,12 +123,6 @@ def http_completion(port: int, token: str, model: str, index: int) -> Callable[[
         if not reply.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(reply[:200].decode(errors="replace"))
     return send
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def raw_prompt(num_words: int, seed: int) -> str:

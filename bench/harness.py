@@ -22,6 +22,13 @@ import msgpack
 REPO = Path(__file__).resolve().parent.parent
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (the kernel picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class BenchError(RuntimeError):
     """A benchmark step failed; the message says which and why."""
 

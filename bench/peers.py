@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from harness import BenchError, Daemon, connect, decode_window, timed_generate
+from harness import BenchError, Daemon, connect, decode_window, free_port, timed_generate
 
 BENCH = Path(__file__).resolve().parent
 
@@ -47,12 +46,6 @@ def vmhwm_kb(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # the kernel picks a free one
-        return s.getsockname()[1]
 
 
 def stop_process(proc: subprocess.Popen | None, name: str) -> None:

@@ -17,8 +17,8 @@ event loop), everything else (the engine thread, MLX's worker threads) is
 reported together. Thread CPU time is far steadier than wall time on a shared
 machine; the decode rates are printed as well, as the daemon measured them.
 With ``--http`` the same answers go through the OpenAI front instead
-(``/v1/completions``, server-sent events against one JSON reply), the way
-coding agents and editors ask. Linux only (/proc). Figures are printed;
+(``/v1/completions``, server-sent events against one JSON reply, the cache
+on as a client leaves it), the way coding agents and editors ask. Linux only (/proc). Figures are printed;
 nothing is asserted.
 """
 
@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for harness
 
-from harness import Daemon, connect, timed_generate  # noqa: E402
+from harness import Daemon, connect, free_port, timed_generate  # noqa: E402
 
 PROMPT = "Write a long story about a river, a stone and a lamp. Take your time and describe every detail."
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -104,12 +103,6 @@ def one_answer(conn, pid: int, tokens: int, stream: bool) -> tuple[float, float,
     return front_user, front_system, other, num_tokens, rate
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", type=Path)
@@ -135,8 +128,8 @@ def main() -> int:
                         results[stream].append(one_answer(conn, daemon.proc.pid, args.tokens, stream))
     front = "the OpenAI front (SSE against one JSON reply; cache on)" if args.http else "the socket, cache off"
     print(f"{args.model.name}: {args.rounds} rounds of {args.tokens} tokens, greedy, through {front}")
-    rate = "client tok/s" if args.http else "decode tok/s"
-    print(f"reply    front CPU ms/token (user + system)  other threads ms/token  {rate} (median)")
+    rate_label = "client tok/s" if args.http else "decode tok/s"
+    print(f"reply    front CPU ms/token (user + system)  other threads ms/token  {rate_label} (median)")
     per_token = {}
     for stream in (True, False):
         rows = results[stream]
