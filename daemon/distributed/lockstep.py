@@ -118,6 +118,7 @@ class LockstepInputs:
                     "kv_bytes_per_token": {name: m.kv_bytes_per_token for name, m in engine.models.items()},
                     # Forks that share reserve less: ranks must agree, or their admissions would part ways.
                     "fork": {name: m.fork for name, m in engine.models.items()},
+                    "batch_step": {name: m.batch_step for name, m in engine.models.items()},
                 },
             )
         finally:

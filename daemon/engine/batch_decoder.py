@@ -1,4 +1,4 @@
-"""Continuous batching of decode steps, one batch per model, on mlx-lm's BatchGenerator.
+"""Continuous batching of decode steps, one batch per model: prefixd's ragged batch or mlx-lm's BatchGenerator.
 
 Every step advances all of a model's decoding sequences together, each
 with its own sampler and token budget; sequences join after their prefill
@@ -10,6 +10,10 @@ A sequence that decodes alone takes the solo path (solo_decoder.py): plain
 forward passes on its own cache, pipelined like mlx-lm's generate_step, with
 none of the batch's padding, masks and per-row bookkeeping. When a second
 sequence joins, the solo one moves into the batch without a copy of its own.
+
+The batch is prefixd's own (ragged_batch.py: each row keeps its own cache)
+where the model's batch step is ragged (models/batch_step.py), mlx-lm's
+left-padded BatchGenerator otherwise; both hand out tokens alike.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from ..kv.shared_prefix_cache import batch_rows
 from .constrained_sampling import batch_processor, mask_logits
+from .ragged_batch import RaggedBatch
 from .faults import fault_point
 from .sequence_state import SequenceState
 from .solo_decoder import SoloDecoder
@@ -92,17 +97,23 @@ def sample_first(seq: SequenceState, logits: mx.array) -> int:
 class BatchDecoder:
     """The decode batch of one model."""
 
-    def __init__(self, model: Any, eos_token_ids: frozenset[int], stream: Any = None):
+    def __init__(self, model: Any, eos_token_ids: frozenset[int], stream: Any = None, ragged: bool = False):
+        """``ragged``: rows keep their own caches (ragged_batch.py); else mlx-lm's padded BatchGenerator."""
         # A stream made on this (the engine) thread: MLX streams are thread-bound. Ranks in
         # lock-step pass the one stream every other pass and collective runs on, so that each
         # rank's collectives run in program order (on two streams they could pair up wrongly).
-        self._generator = BatchGenerator(
-            model,
-            sampler=greedy,
-            completion_batch_size=MAX_BATCH,
-            prefill_batch_size=MAX_BATCH,
-            stream=stream if stream is not None else mx.new_stream(mx.default_device()),
-        )
+        stream = stream if stream is not None else mx.new_stream(mx.default_device())
+        self._ragged = ragged
+        if ragged:
+            self._generator = RaggedBatch(model, sampler=greedy, stream=stream)
+        else:
+            self._generator = BatchGenerator(
+                model,
+                sampler=greedy,
+                completion_batch_size=MAX_BATCH,
+                prefill_batch_size=MAX_BATCH,
+                stream=stream,
+            )
         self._stop = StopSequences([[token] for token in sorted(eos_token_ids)])
         self._by_uid: dict[int, SequenceState] = {}
         self._model = model
@@ -151,7 +162,8 @@ class BatchDecoder:
         (uid,) = self._generator.insert(
             [inputs],
             max_tokens=[max_tokens],
-            caches=[batch_rows(seq.cache, seq.loaded.layout.shares_forks)],
+            # A ragged row keeps its cache as it is; mlx-lm merges each layer by its first row's class.
+            caches=[seq.cache if self._ragged else batch_rows(seq.cache, seq.loaded.layout.shares_forks)],
             samplers=[sampler_for(seq)],
             logits_processors=[processors],
             stop_sequences=[self._stop],

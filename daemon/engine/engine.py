@@ -487,6 +487,7 @@ class Engine:
             kv_bits=entry.layout.kv_bits,
             fork=self.settings.fork,
             linear=self.settings.linear,
+            batch_step=self.settings.batch_step,
         )
         warm_up_seconds = run_all(self._warm_up(loaded, entry)) if self._warms_up else None
         return self._adopt(loaded, entry, warm_up_seconds)
@@ -504,6 +505,7 @@ class Engine:
             kv_bits=entry.layout.kv_bits,
             fork=self.settings.fork,
             linear=self.settings.linear,
+            batch_step=self.settings.batch_step,
         )
         warm_up_seconds = (yield from self._warm_up(loaded, entry)) if self._warms_up else None
         loaded.load_seconds = time.perf_counter() - started  # its steps and the engine iterations between them
@@ -534,6 +536,7 @@ class Engine:
             cache_layers=loaded.layout.describe(),
             kv=loaded.kv,
             fork=loaded.fork,
+            batch_step=loaded.batch_step,
             attention=loaded.attention,
             short_conv=loaded.short_conv,
             linear=loaded.linear,

@@ -96,7 +96,10 @@ class ModelRunner:
         decoder = self._decoders.get(seq.loaded.name)
         if decoder is None:
             decoder = self._decoders[seq.loaded.name] = BatchDecoder(
-                seq.loaded.model, seq.loaded.eos_token_ids, stream=self.decode_stream
+                seq.loaded.model,
+                seq.loaded.eos_token_ids,
+                stream=self.decode_stream,
+                ragged=seq.loaded.batch_step == "ragged",
             )
         decoder.add(seq, [join.token], join.max_new_tokens)
 

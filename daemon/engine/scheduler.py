@@ -165,8 +165,9 @@ class Scheduler:
     def _running_bytes(self, extra: SequenceState | None = None) -> int:
         """What the running sequences' KV may grow to, batch padding included.
 
-        A model's decode batch pads every row to its longest, so its rows are
-        counted at the longest row's size each, plus each row's state layers.
+        A padded decode batch (mlx-lm's) pads every row to its longest, so its
+        rows are counted at the longest row's size each; a ragged one
+        (ragged_batch.py) holds each row's own. Plus each row's state layers.
         """
         by_model: dict[str, list[SequenceState]] = {}
         for seq in self.active + ([extra] if extra is not None else []):
@@ -174,6 +175,9 @@ class Scheduler:
         total = 0
         for rows in by_model.values():
             loaded = rows[0].loaded
+            if loaded.batch_step == "ragged":
+                total += sum(_sequence_bytes(seq) for seq in rows)
+                continue
             longest = max(_reserved_tokens(seq) for seq in rows)
             total += len(rows) * (longest * loaded.kv_bytes_per_token + loaded.state_bytes_per_sequence)
         return total

@@ -24,6 +24,7 @@ class EngineSettings:
     attention: str = "auto"  # tails and padded decode steps: auto, fused, matmul, kernel (tail_attention.py)
     linear: str = "auto"  # 2-8 rows through a linear layer: auto, matmul or rows (models/row_linear.py)
     fork: str = "auto"  # a hit's stored KV: auto (share on a CPU), copy, or read in place (models/shared_forks.py)
+    batch_step: str = "auto"  # decode rows: auto (ragged on a CPU), padded or ragged (models/batch_step.py)
     warm_up: str = "auto"  # fork and last-token passes run once at load: auto (on a GPU), on, off (engine/warm_up.py)
     keep_alive_s: float = -1.0  # an idle model stays loaded this long (negative: for good); requests may say otherwise
     max_model_bytes: int = 0  # loaded models' weights together; 0: no limit (engine/model_residency.py)

@@ -126,7 +126,7 @@ def _decode_paths(loaded: LoadedModel, fork: Callable[[int], list[Any]], last_to
     4. a row is taken out (what a stop string or a cancel does);
     5. the last row goes back to the solo path (attention-only models), and is taken out.
     """
-    decoder = BatchDecoder(loaded.model, loaded.eos_token_ids)
+    decoder = BatchDecoder(loaded.model, loaded.eos_token_ids, ragged=loaded.batch_step == "ragged")
     joiners = (
         (0.0, WARM_SEGMENTS, FIRST_ANSWER_STEPS),
         (0.7, WARM_SEGMENTS - 1, LATER_ANSWER_STEPS),

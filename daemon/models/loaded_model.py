@@ -24,6 +24,7 @@ from ..kv.fork import live_cache
 from ..kv.layout import CacheLayout, make_cache_layout, unbatchable_cache_types
 from ..kv.quantized_kv import describe_kv
 from . import row_linear, short_conv, tail_attention
+from .batch_step import choose_batch_step, wants_ragged
 from .shared_forks import wants_shared_forks, with_shared_forks
 from .generic_tools import tools_path
 from .prompt_encoding import EncodedPrompt, PromptEncoder
@@ -63,6 +64,7 @@ class LoadedModel:
     linear: str = "matmul"  # how 2-8 rows pass through the linear layers (row_linear.py)
     kv: str = ""  # its attention KV as stats say it: float32, q8 (group 64), ... (quantized_kv.describe_kv)
     fork: str = "copy"  # how a hit's stored KV reaches its passes: share or copy, and why (shared_forks.py)
+    batch_step: str = "padded"  # its decode batch: ragged (engine/ragged_batch.py) or padded, and why (batch_step.py)
 
     def describe(self, default: bool) -> dict[str, Any]:
         return model_description(self, default, self.attention)
@@ -111,6 +113,7 @@ def load_model(
     kv_bits: int = 0,
     fork: str = "auto",
     linear: str = "auto",
+    batch_step: str = "auto",
 ) -> LoadedModel:
     """Load a local MLX model directory, or a Hugging Face id already in the local cache.
 
@@ -124,6 +127,7 @@ def load_model(
     ``kv_bits``: 8 or 4 quantizes its attention KV (--kv-bits, kv/quantized_kv.py); 0 keeps full precision.
     ``fork``: auto, copy or share: whether a hit reads the stored segments in place (--fork, shared_forks.py).
     ``linear``: how 2-8 rows pass through the linear layers (--linear, row_linear.py).
+    ``batch_step``: auto, padded or ragged: the decode batch its rows run in (--batch-step, batch_step.py).
     """
     path = resolve_model_path(spec)
     started = time.perf_counter()
@@ -145,6 +149,7 @@ def load_model(
     linear = row_linear.install(model, linear)
     on_gpu = mx.default_device().type == mx.gpu
     layout, fork = with_shared_forks(model, layout, wants_shared_forks(fork, on_gpu), first_param.dtype)
+    batch_step = choose_batch_step(model, layout, wants_ragged(batch_step, on_gpu))
     kv_bytes_per_token, state_bytes_per_sequence, kv_dtype, head_dims = _measure_cache_bytes(model, layout)
     return LoadedModel(
         name=name or path.name,
@@ -166,6 +171,7 @@ def load_model(
         linear=linear,
         kv=describe_kv(layout.kv_bits, kv_dtype or _dtype_name(first_param.dtype), head_dims),
         fork=fork,
+        batch_step=batch_step,
     )
 
 

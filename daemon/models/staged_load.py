@@ -46,11 +46,12 @@ def load_in_steps(
     kv_bits: int = 0,
     fork: str = "auto",
     linear: str = "auto",
+    batch_step: str = "auto",
 ) -> Generator[None, None, LoadedModel]:
     """Yields between steps; returns the loaded model (raises what a load raises, at the step it happens).
 
-    ``chat_template``: --chat-template's, replacing the model's own. ``kv_bits``, ``fork``, ``linear``: --kv-bits's,
-    --fork's and --linear's, as load_model's.
+    ``chat_template``: --chat-template's, replacing the model's own. ``kv_bits``, ``fork``, ``linear``, ``batch_step``:
+    --kv-bits's, --fork's, --linear's and --batch-step's, as load_model's.
     """
     model, config = mlx_lm_load_model(path, lazy=True)
     tokenizer = tokenizer_threads.submit(
@@ -84,4 +85,5 @@ def load_in_steps(
         kv_bits=kv_bits,
         fork=fork,
         linear=linear,
+        batch_step=batch_step,
     )

@@ -47,6 +47,7 @@ import mlx.core as mx
 import structlog
 
 from ..cuda import choose_form
+from ..kv.ragged_batch_cache import RaggedLayerCache
 from ..kv.shared_prefix_cache import SharedPrefixBatchKVCache, SharedPrefixKVCache
 from . import padded_decode_attention
 from .prefix_attention import batch_prefix_attention, prefix_attention
@@ -124,6 +125,8 @@ def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=Non
     """mlx-lm's ``scaled_dot_product_attention`` with short multi-token passes in the matmul form."""
     from mlx_lm.models import base
 
+    if isinstance(cache, RaggedLayerCache):  # a ragged decode batch: each row attends over its own cache, routed here
+        return cache.attend(queries, scale, sinks, _row_attention)
     if isinstance(cache, SharedPrefixKVCache) and cache.prefix_len:
         if sinks is None:
             return prefix_attention(queries, cache.prefix_keys, cache.prefix_values, keys, values, scale, mask)
@@ -142,6 +145,11 @@ def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=Non
         _state["matmul_passes"] += 1
         return matmul_attention(queries, keys, values, scale, mask)
     return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _row_attention(queries, keys, values, cache, scale: float, sinks) -> mx.array:
+    """One row of a ragged decode batch, as a sequence decoding alone attends (one query: no mask)."""
+    return routed_attention(queries, keys, values, cache, scale, None, sinks)
 
 
 def _takes_matmul(queries, keys, cache, sinks) -> bool:

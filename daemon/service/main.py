@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         attention=args.attention,
         linear=args.linear,
         fork=args.fork,
+        batch_step=args.batch_step,
         warm_up=args.warm_up,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,

@@ -308,6 +308,16 @@ SETTINGS: dict[str, Setting] = {
             note="share on a CPU, copy on a GPU",
         ),
         Setting(
+            "batch_step",
+            one_of("auto", "padded", "ragged"),
+            SCHEDULING,
+            "the decode batch a model's rows run in: ragged keeps each row's own cache (a row joins and leaves "
+            "without a copy, attention skips other rows' lengths, a row reserves only its own tokens; checked at "
+            "load, attention-only models); padded merges the rows into mlx-lm's left-padded batch",
+            default="auto",
+            note="ragged on a CPU, padded on a GPU",
+        ),
+        Setting(
             "warm_up",
             one_of("auto", "on", "off"),
             SCHEDULING,

@@ -3,7 +3,9 @@
 N greedy requests (different prompts, some sharing prefixes, different
 lengths and budgets) decoded together in one batch must produce the same
 text as each run alone without the cache, on the tiny llama-style model, the
-tiny lfm2 hybrid and SmolLM2.
+tiny lfm2 hybrid and SmolLM2; attention-only models in prefixd's ragged
+batch (a CPU's default), and the tiny llama-style one in mlx-lm's padded
+batch too (lfm2's rows are always padded).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from prefixd.protocol.methods import CacheOptions, GenerateParams, PromptInput
 SOURCE_TEXT = __import__("inspect").getsource(__import__("json.decoder", fromlist=["x"]))
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3", "smollm2"])
+@pytest.fixture(scope="module", params=["llama", "llama-padded", "lfm2", "gemma3", "smollm2"])
 def loaded(request):
-    name = "smollm2_dir" if request.param == "smollm2" else f"tiny_{request.param}_dir"
-    return load_model(str(request.getfixturevalue(name)), dtype="float32")
+    family, _, batch_step = request.param.partition("-")
+    name = "smollm2_dir" if family == "smollm2" else f"tiny_{family}_dir"
+    return load_model(str(request.getfixturevalue(name)), dtype="float32", batch_step=batch_step or "auto")
 
 
 def make_job(loaded, text: str, max_tokens: int, use_cache: bool = True, events=None) -> GenerateJob:

@@ -19,7 +19,7 @@ from prefixd.daemon.engine import scheduler as scheduler_module
 from prefixd.daemon.engine.batch_decoder import StepEvent
 from prefixd.daemon.engine.jobs import CHUNK, DONE, FAILED, GenerateJob
 from prefixd.daemon.engine.prefill import plan_prefill
-from prefixd.daemon.engine.scheduler import Scheduler
+from prefixd.daemon.engine.scheduler import KV_GROWTH_STEP_TOKENS, Scheduler
 from prefixd.daemon.engine.sequence_state import Phase
 from prefixd.daemon.engine.step_plan import Prefilled, StepPlan, StepResult
 from prefixd.daemon.models.prompt_encoding import EncodedPrompt
@@ -59,6 +59,7 @@ class FakeModel:
     kv_bytes_per_token = 1
     kv = "float32"
     state_bytes_per_sequence = 0
+    batch_step = "padded"
     eos_token_ids = frozenset({EOS})
     layout = SimpleNamespace(is_hybrid=False, shares_forks=False, window_layers=())
     encoder = SimpleNamespace(check_length=lambda num_tokens, generates: None)
@@ -349,6 +350,20 @@ def test_finished_and_cancelled_sequences_are_answered_and_release_their_memory(
     assert any(f.seq.job is not None and f.leaves_batch for p in runner.plans for f in p.finishes)
     assert not runner.rows and not scheduler.active and budget.running_bytes == 0
     assert scheduler.counters == {"completed": 1, "cancelled": 1, "failed": 0}
+
+
+@pytest.mark.parametrize("batch_step", ["padded", "ragged"])
+def test_running_rows_reserve_the_longest_row_each_when_padded_and_their_own_when_ragged(runner, replies, batch_step):
+    model = FakeModel()
+    model.batch_step = batch_step
+    budget = KvBudget(1 << 30)
+    scheduler = Scheduler(None, CHUNK_SIZE, 8, budget, resolve_model=lambda name: model, runner=runner)
+    scheduler.admit(replies.job("deep", 3 * CHUNK_SIZE, max_tokens=50))
+    scheduler.admit(replies.job("shallow", 10, max_tokens=50, first_token=90_000))
+    scheduler.step()
+    deep, shallow = (3 * CHUNK_SIZE + 50 + KV_GROWTH_STEP_TOKENS), (10 + 50 + KV_GROWTH_STEP_TOKENS)
+    expected = deep + shallow if batch_step == "ragged" else 2 * deep
+    assert budget.running_bytes == expected * model.kv_bytes_per_token
 
 
 def test_a_failed_pass_fails_its_request_alone(runner, replies):
