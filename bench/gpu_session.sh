@@ -29,7 +29,9 @@
 # session, each 8,000 tokens deep), concurrency-deep-alt (the same, default attention, on $ALT_TREE);
 # join-crowd (join_probe.py --crowd 8: a join and a leave against a running batch's steady steps, 1,000 and
 # 8,000 deep), front-cost (front_cost.py: the event loop's CPU per streamed lfm2 token, and decode streamed
-# against whole replies).
+# against whole replies); ragged-probe (bench/probes/ragged_step_probe.py: a decode step padded against ragged,
+# rows of equal and of mixed depths), concurrency-ragged / concurrency-deep-ragged (concurrency-attn-kernel's and
+# concurrency-deep-attn-kernel's runs with --batch-step ragged).
 # Each step runs under what is left of BUDGET_S (default 560 s, inside the 600 s call limit) and logs
 # into $OUT/raw/; at the end everything is packed into $OUT/gpu_results.tgz (the device returns at
 # most 8 files), with the tree's commit when the caller wrote it to COMMIT in the tree's root.
@@ -77,6 +79,9 @@ for s in "$@"; do
     concurrency-full-attn-kernel|concurrency-full-attn-matmul)
       PREFIXD_ATTENTION=${s#concurrency-full-attn-} step "$s" python3 bench/concurrency.py --smollm2 /tmp/q06 --json "$out/$s.json" ;;
     profile-attn-matmul) PREFIXD_ATTENTION=matmul PATH=/tmp/site/bin:$PATH step profile-attn-matmul python3 bench/probes/daemon_profile.py /tmp/q06 --sessions 1,4,8 --tokens 160 ;;
+    ragged-probe) step ragged-probe python3 bench/probes/ragged_step_probe.py /tmp/q06 --mixes 1000x4,8000+300x3,2000x8,8000x4 --steps 30 ;;
+    concurrency-ragged) PREFIXD_BATCH_STEP=ragged step concurrency-ragged python3 bench/concurrency.py --smollm2 /tmp/q06 --tokens 200 --json "$out/concurrency-ragged.json" ;;
+    concurrency-deep-ragged) PREFIXD_BATCH_STEP=ragged step concurrency-deep-ragged python3 bench/concurrency.py --smollm2 /tmp/q06 --tokens 200 --depth 8000 --json "$out/concurrency-deep-ragged.json" ;;
     join-crowd) step join-crowd python3 bench/probes/join_probe.py /tmp/q06 --crowd 8 --lengths 1000,8000 --json "$out/join-crowd.json" ;;
     front-cost) step front-cost python3 bench/probes/front_cost.py /tmp/lfm2 --tokens 1000 --rounds 3 ;;
     lfm2-profile) PATH=/tmp/site/bin:$PATH step lfm2-profile python3 bench/probes/daemon_profile.py /tmp/lfm2 --sessions 1 --tokens 300 --out "$out/lfm2-profile" ;;
