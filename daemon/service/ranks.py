@@ -26,9 +26,18 @@ def distributed_engine(settings: ServerSettings, args: argparse.Namespace) -> En
             "--disk-cache-bytes is not available on a daemon spanning several ranks yet "
             "(each rank holds its own shard of every KV entry); leave it at 0"
         )
+    if settings.engine.batch_step == "ragged":
+        raise ValueError(
+            "--batch-step ragged is not available on a daemon spanning several ranks yet "
+            "(its load-time check runs passes a pipeline rank can fail halfway); leave it at auto or padded"
+        )
     # The shadow check re-runs prompts whenever this rank is idle, outside the lock-step: off.
     # Models load at start and stay (below): no keep-alive, no model-memory limit.
-    engine_settings = dataclasses.replace(settings.engine, shadow_rate=0.0, keep_alive_s=-1.0, max_model_bytes=0)
+    # Decode rows stay padded: ragged is checked at load by passes every rank must run alike (a pipeline
+    # rank's model ties its send to ``cache.keys``, which a ragged layer has not), and is not measured here.
+    engine_settings = dataclasses.replace(
+        settings.engine, shadow_rate=0.0, keep_alive_s=-1.0, max_model_bytes=0, batch_step="padded"
+    )
     inputs = LockstepInputs(
         Inbox(engine_settings.max_queued, engine_settings.max_queued_per_client),
         DistributedSettings(

@@ -275,11 +275,15 @@ def test_a_rank_with_another_model_is_refused_at_start(tiny_llama_dir, tmp_path)
     daemon.kill()
 
 
-def test_the_disk_cache_is_refused_across_ranks_with_a_clear_message(tiny_llama_dir, tmp_path):
-    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "disk", num_ranks=2, extra_args=["--disk-cache-bytes", "64M"])
+@pytest.mark.parametrize("option, message", [
+    (["--disk-cache-bytes", "64M"], "--disk-cache-bytes is not available on a daemon spanning several ranks"),
+    (["--batch-step", "ragged"], "--batch-step ragged is not available on a daemon spanning several ranks"),
+])
+def test_what_does_not_work_across_ranks_is_refused_with_a_clear_message(tiny_llama_dir, tmp_path, option, message):
+    daemon = RankedDaemon([tiny_llama_dir], tmp_path / "refused", num_ranks=2, extra_args=option)
     with pytest.raises(RuntimeError, match="exited"):
         daemon.start(timeout=60)
-    assert "--disk-cache-bytes is not available on a daemon spanning several ranks" in daemon.stderr_text()
+    assert message in daemon.stderr_text()
     daemon.kill()
 
 
