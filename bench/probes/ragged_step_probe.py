@@ -8,7 +8,9 @@ Each mix is a set of rows at given depths (``4000+200x3``: one row 4,000 tokens
 deep and three 200 deep). The rows are prefilled once; each round, both
 batches get copies of them, in turn: rows join (the first call, timed as
 "join"), then ``--steps`` steady steps (the median, and the aggregate tokens
-a second). The model loads through prefixd (load_model), so its attention
+a second); "held" is the memory MLX holds for the batch's KV once the rows
+joined (its rows' copies made for the round included: the padded batch
+merges them into one buffer, left-padded to the longest row). The model loads through prefixd (load_model), so its attention
 routing is the daemon's on this device (on CUDA the padded batch's steps go
 to prefixd's padded-decode kernel). Before timing, each mix checks that the
 two batches hand out the same greedy tokens.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -65,7 +68,9 @@ def make_batch(form: str, model, stream):
     return BatchGenerator(model, sampler=greedy, completion_batch_size=64, prefill_batch_size=64, stream=stream)
 
 
-def run(form: str, loaded, rows: list[list], steps: int, stream) -> tuple[float, list[float], list[list[int]]]:
+def run(form: str, loaded, rows: list[list], steps: int, stream) -> tuple[float, list[float], list[list[int]], int]:
+    gc.collect()
+    before = mx.get_active_memory()
     batch = make_batch(form, loaded.model, stream)
     never = StopSequences([[-1]])
     count = len(rows)
@@ -81,6 +86,8 @@ def run(form: str, loaded, rows: list[list], steps: int, stream) -> tuple[float,
     batch.next()  # the rows join: their joining tokens are fed, nothing is handed out yet
     mx.synchronize()
     join_ms = (time.perf_counter() - started) * 1000
+    gc.collect()
+    held = mx.get_active_memory() - before
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
     step_ms = []
     for _ in range(steps):
@@ -89,7 +96,7 @@ def run(form: str, loaded, rows: list[list], steps: int, stream) -> tuple[float,
         step_ms.append((time.perf_counter() - started) * 1000)
         for response in responses:
             tokens[response.uid].append(int(response.token))
-    return join_ms, step_ms, [tokens[uid] for uid in uids]
+    return join_ms, step_ms, [tokens[uid] for uid in uids], held
 
 
 def main() -> int:
@@ -106,21 +113,25 @@ def main() -> int:
     for mix in args.mixes.split(","):
         depths = parse_mix(mix)
         rows = [prefilled(loaded, depth, seed) for seed, depth in enumerate(depths)]
-        _, _, padded_tokens = run("padded", loaded, rows, 4, stream)
-        _, _, ragged_tokens = run("ragged", loaded, rows, 4, stream)
+        padded_tokens = run("padded", loaded, rows, 4, stream)[2]
+        ragged_tokens = run("ragged", loaded, rows, 4, stream)[2]
         agree = sum(a == b for p, r in zip(padded_tokens, ragged_tokens) for a, b in zip(p, r))
         total = sum(len(p) for p in padded_tokens)
         figures: dict[str, list[tuple[float, float]]] = {"padded": [], "ragged": []}
+        held: dict[str, int] = {}
         for _ in range(args.rounds):
             for form in figures:
-                join_ms, step_ms, _ = run(form, loaded, rows, args.steps, stream)
+                join_ms, step_ms, _, held[form] = run(form, loaded, rows, args.steps, stream)
                 figures[form].append((join_ms, statistics.median(step_ms[1:])))
         line = [f"{mix:>16} ({len(depths)} rows, greedy tokens agree {agree}/{total}):"]
         for form, runs in figures.items():
             steps = ", ".join(f"{step:.1f}" for _, step in runs)
             joins = ", ".join(f"{join:.0f}" for join, _ in runs)
             best = min(step for _, step in runs)
-            line.append(f"{form} step {steps} ms (join {joins} ms, {len(depths) * 1000 / best:.0f} tok/s)")
+            line.append(
+                f"{form} step {steps} ms (join {joins} ms, {len(depths) * 1000 / best:.0f} tok/s, "
+                f"held {held[form] / 2**20:.0f} MiB)"
+            )
         ratio = min(s for _, s in figures["ragged"]) / min(s for _, s in figures["padded"])
         line.append(f"ragged/padded {ratio:.2f}")
         print("  ".join(line), flush=True)
