@@ -34,7 +34,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
-from ..kv.ragged_batch_cache import RaggedLayerCache
+from ..kv.ragged_batch_cache import ragged_layers
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -124,8 +124,7 @@ class RaggedBatch:
     def _step(self) -> list[RaggedResponse]:
         rows = self._rows
         inputs = mx.concatenate([row.pending for row in rows])
-        layers = [RaggedLayerCache([row.cache[i] for row in rows]) for i in range(len(rows[0].cache))]
-        logits = self._model(inputs[:, None], cache=layers)[:, -1, :]
+        logits = self._model(inputs[:, None], cache=ragged_layers([row.cache for row in rows]))[:, -1, :]
         if any(row.processors for row in rows):
             logits = mx.concatenate(
                 [self._processed(row, inputs[i : i + 1], logits[i : i + 1]) for i, row in enumerate(rows)]

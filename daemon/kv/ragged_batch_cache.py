@@ -66,6 +66,7 @@ class RaggedLayerCache:
         ]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(row.nbytes for row in self.rows)
+
+def ragged_layers(row_caches: list[list[Any]]) -> list[RaggedLayerCache]:
+    """A step's cache for the model: per layer, that layer of every row's cache (rows in order)."""
+    return [RaggedLayerCache([cache[i] for cache in row_caches]) for i in range(len(row_caches[0]))]

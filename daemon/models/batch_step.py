@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..kv.fork import live_cache
 from ..kv.layout import CacheLayout
-from ..kv.ragged_batch_cache import RaggedLayerCache
+from ..kv.ragged_batch_cache import ragged_layers
 
 MODES = ("auto", "padded", "ragged")
 
@@ -72,9 +72,8 @@ def ragged_difference(model: Any, layout: CacheLayout) -> float:
         next_token = mx.array([[3 + depth]])
         alone_logits.append(model(next_token, cache=alone)[:, -1].astype(mx.float32))
         rows.append(batched)
-    layers = [RaggedLayerCache([row[i] for row in rows]) for i in range(len(rows[0]))]
     inputs = mx.array([[3 + depth] for depth in CHECK_DEPTHS])
-    ragged = model(inputs, cache=layers)[:, -1].astype(mx.float32)
+    ragged = model(inputs, cache=ragged_layers(rows))[:, -1].astype(mx.float32)
     expected = mx.concatenate(alone_logits)
     scale = max(mx.abs(expected).max().item(), 1e-6)
     return mx.abs(ragged - expected).max().item() / scale
